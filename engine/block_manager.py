@@ -1,0 +1,209 @@
+"""Reference BlockManager: an O(1) free pool with explicit reference counts, per-sequence block
+lists, fork with copy-on-write, and the flat block table.
+
+Invariants (checked by tests/test_block_manager_stateful.py after every operation):
+  I1  len(free) + #{b : ref[b] > 0} == num_blocks
+  I2  ref[b] == number of sequences whose block list holds b
+  I3  b in free  <=>  ref[b] == 0   (so no free block is referenced)
+  I4  each sequence's table row == its block list, padded with -1
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from engine.block_table import BlockTable
+from engine.errors import OutOfBlocks
+from engine.protocols import Snapshot
+
+
+class BlockPool:
+    """Free stack plus ref counts. allocate/incref/decref are O(1), whatever the pool size."""
+
+    __slots__ = ("num_blocks", "free", "ref")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.ref = [0] * num_blocks
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise OutOfBlocks("no free block")
+        b = self.free.pop()
+        self.ref[b] = 1
+        return b
+
+    def incref(self, b: int) -> None:
+        if self.ref[b] <= 0:
+            raise ValueError(f"incref of free block {b}")
+        self.ref[b] += 1
+
+    def decref(self, b: int) -> None:
+        r = self.ref[b]
+        if r <= 0:
+            raise ValueError(f"decref of free block {b} (double free)")
+        self.ref[b] = r - 1
+        if r == 1:
+            self.free.append(b)
+
+
+class BlockManager:
+    """Maps each sequence's token positions to physical slots. Sequences are keyed by id; each
+    sequence holding blocks owns one table row."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.table = BlockTable(max_num_seqs, max_blocks_per_seq)
+        self.blocks: dict[str, list[int]] = {}
+        self.num_tokens: dict[str, int] = {}
+        self.rows: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.pool.free)
+
+    def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int:
+        """Blocks an append of num_new_tokens would take, copy-on-write included."""
+        bs = self.block_size
+        have = self.num_tokens.get(seq_id, 0)
+        need = -(-(have + num_new_tokens) // bs) - -(-have // bs)
+        blocks = self.blocks.get(seq_id)
+        if blocks and have % bs and self.pool.ref[blocks[-1]] > 1 and num_new_tokens:
+            need += 1
+        return need
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    # -- mutations -----------------------------------------------------------------------
+    def append(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Reserve slots for num_new_tokens more tokens of seq_id (a new id starts a sequence).
+        Returns the (src, dst) block copies the caller must apply to the KV pool (copy-on-write).
+        Atomic: raises OutOfBlocks without changing anything."""
+        if self.blocks_needed(seq_id, num_new_tokens) > len(self.pool.free) or (
+                seq_id not in self.rows and not self._free_rows):
+            raise OutOfBlocks(f"sequence {seq_id}: {num_new_tokens} tokens need more blocks than are free")
+        pool, table, bs = self.pool, self.table, self.block_size
+        if seq_id not in self.rows:
+            self.rows[seq_id] = self._free_rows.pop()
+            self.blocks[seq_id] = []
+            self.num_tokens[seq_id] = 0
+        row, blocks, have = self.rows[seq_id], self.blocks[seq_id], self.num_tokens[seq_id]
+        copies = []
+        if num_new_tokens and have % bs and pool.ref[blocks[-1]] > 1:
+            src = blocks[-1]
+            dst = pool.allocate()
+            pool.decref(src)
+            blocks[-1] = dst
+            table.write(row, len(blocks) - 1, dst)
+            copies.append((src, dst))
+        total = have + num_new_tokens
+        while len(blocks) * bs < total:
+            b = pool.allocate()
+            try:
+                table.write(row, len(blocks), b)
+            except Exception:
+                pool.decref(b)
+                raise
+            blocks.append(b)
+        self.num_tokens[seq_id] = total
+        return copies
+
+    def append_decode(self, seq_ids: list[str]) -> list[tuple[int, int]]:
+        """append(s, 1) for every s: the decode hot path, inlined. Same semantics, same atomicity
+        (it falls back to append() when the pool could run dry mid-batch)."""
+        pool = self.pool
+        free, ref = pool.free, pool.ref
+        if len(free) < len(seq_ids):  # might run dry: count exactly first, so a failure changes nothing
+            if sum(self.blocks_needed(s, 1) for s in seq_ids) > len(free):
+                raise OutOfBlocks(f"decode of {len(seq_ids)} sequences needs more blocks than are free")
+            return [c for s in seq_ids for c in self.append(s, 1)]
+        bs, nt, blocks, rows = self.block_size, self.num_tokens, self.blocks, self.rows
+        table = self.table
+        host, w = table.host, table.width
+        copies: list[tuple[int, int]] = []
+        for s in seq_ids:
+            n = nt[s]
+            bl = blocks[s]
+            if n % bs:
+                if ref[bl[-1]] != 1:  # shared partial block: copy-on-write, the slow path
+                    copies += self.append(s, 1)
+                    continue
+            else:
+                i = len(bl)
+                b = free.pop()
+                ref[b] = 1
+                if i < w:
+                    host[rows[s] * w + i] = b
+                else:
+                    try:
+                        table.write(rows[s], i, b)
+                    except Exception:
+                        ref[b] = 0
+                        free.append(b)
+                        raise
+                bl.append(b)
+            nt[s] = n + 1
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (ref counts up); the first append to a
+        shared, partly filled last block copies it."""
+        if child_id in self.rows:
+            raise ValueError(f"sequence {child_id} already holds blocks")
+        if not self._free_rows:
+            raise OutOfBlocks("no free table row for the forked sequence")
+        blocks = list(self.blocks[parent_id])
+        row = self._free_rows.pop()
+        for i, b in enumerate(blocks):
+            self.pool.incref(b)
+            self.table.write(row, i, b)
+        self.rows[child_id], self.blocks[child_id] = row, blocks
+        self.num_tokens[child_id] = self.num_tokens[parent_id]
+
+    def free(self, seq_id: str) -> bool:
+        """Release every block and the row of seq_id. Idempotent: an unknown id returns False."""
+        blocks = self.blocks.pop(seq_id, None)
+        if blocks is None:
+            return False
+        row = self.rows.pop(seq_id)
+        del self.num_tokens[seq_id]
+        self.table.clear(row, len(blocks))
+        for b in reversed(blocks):  # tail first: the prefix stays hot at the top of the stack
+            self.pool.decref(b)
+        self._free_rows.append(row)
+        return True
+
+    @contextmanager
+    def hold(self, seq_id: str) -> Iterator[str]:
+        """Own seq_id's blocks for the duration of a with-block: freed on every exit path."""
+        try:
+            yield seq_id
+        finally:
+            self.free(seq_id)
+
+    def resize_table(self, rows: int | None = None, width: int | None = None) -> None:
+        old_rows = self.table.rows
+        self.table.resize(rows or self.table.rows, width or self.table.width)
+        self._free_rows[:0] = range(self.table.rows - 1, old_rows - 1, -1)
+
+    # -- observation ---------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            num_blocks=self.pool.num_blocks,
+            free=list(self.pool.free),
+            ref_counts=list(self.pool.ref),
+            seq_blocks={s: list(b) for s, b in self.blocks.items()},
+            seq_rows=dict(self.rows),
+            table=self.table.host.tolist(),
+            table_width=self.table.width,
+        )

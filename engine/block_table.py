@@ -1,0 +1,51 @@
+"""The flat block table: rows x width int32 entries, entry (row, i) at row * width + i, -1 unused.
+
+Flat on purpose: it is addressed exactly as a GPU kernel addresses it, so a write past a row's
+width lands in the next row. `bound_check` is the seam that refuses such writes.
+"""
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from engine.errors import TableOverflow
+
+UNUSED = -1
+
+
+class BlockTable:
+    __slots__ = ("rows", "width", "host", "host_tensor", "bound_check", "overflow_writes")
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.rows, self.width = rows, width
+        self.host = array("i", [UNUSED]) * (rows * width)
+        self.host_tensor = torch.frombuffer(self.host, dtype=torch.int32)  # zero-copy view
+        self.bound_check = True
+        self.overflow_writes = 0  # writes that crossed into another row (only possible unchecked)
+
+    def write(self, row: int, index: int, block: int) -> None:
+        if index >= self.width:
+            if self.bound_check:
+                raise TableOverflow(f"block-table row {row}: index {index} >= width {self.width}")
+            self.overflow_writes += 1
+        self.host[row * self.width + index] = block  # IndexError past the buffer's end, never silent
+
+    def clear(self, row: int, count: int) -> None:
+        """Unmap entries 0..count-1 of a row (flat addressing: an overlong row spills over too)."""
+        base = row * self.width
+        end = min(base + count, len(self.host))
+        self.host[base:end] = array("i", [UNUSED]) * (end - base)
+
+    def row(self, row: int) -> list[int]:
+        return self.host[row * self.width:(row + 1) * self.width].tolist()
+
+    def resize(self, rows: int, width: int) -> None:
+        """Grow to rows x width keeping every row's entries (the `resize` overflow policy)."""
+        if rows < self.rows or width < self.width:
+            raise ValueError(f"block table can only grow: {self.rows}x{self.width} -> {rows}x{width}")
+        new = array("i", [UNUSED]) * (rows * width)
+        for r in range(self.rows):
+            new[r * width:r * width + self.width] = self.host[r * self.width:(r + 1) * self.width]
+        self.rows, self.width, self.host = rows, width, new
+        self.host_tensor = torch.frombuffer(self.host, dtype=torch.int32)

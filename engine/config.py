@@ -1,0 +1,123 @@
+"""Model, cache and engine configuration: plain dataclasses, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+import hashlib
+import json
+
+import torch
+
+from engine.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+OVERFLOW_POLICIES = ("reject", "resize")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _require(ok: bool, where: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {msg}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small Llama-style decoder. The defaults run fast on two CPU cores."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    vocab_size: int = 256
+    max_position: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position"):
+            _require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, "model.head_dim", "must be even (rotary embeddings pair dimensions)")
+        _require(self.dtype in DTYPES, "model.dtype", f"must be one of {list(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.finfo(self.torch_dtype).bits // 8
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool and its flat block table (max_num_seqs rows x max_blocks_per_seq wide)."""
+
+    block_size: int = 16
+    num_blocks: int = 256
+    max_blocks_per_seq: int = 32
+    max_num_seqs: int = 16
+    overflow_policy: str = "reject"
+    watermark: float = 0.0  # fraction of blocks kept free at admission, to avoid instant preemption
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_blocks_per_seq", "max_num_seqs"):
+            _require(getattr(self, name) > 0, f"cache.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.overflow_policy in OVERFLOW_POLICIES, "cache.overflow_policy",
+                 f"must be one of {list(OVERFLOW_POLICIES)}, got {self.overflow_policy!r}")
+        _require(0.0 <= self.watermark < 1.0, "cache.watermark", f"must be in [0, 1), got {self.watermark}")
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.max_blocks_per_seq * self.block_size
+
+
+def kv_bytes_per_block(model: ModelConfig, cache: CacheConfig) -> int:
+    return model.kv_bytes_per_token() * cache.block_size
+
+
+def blocks_in_budget(model: ModelConfig, block_size: int, budget_bytes: int) -> int:
+    """How many whole blocks fit in a memory budget."""
+    return budget_bytes // (model.kv_bytes_per_token() * block_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    seed: int = 0
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    max_prefill_tokens: int = 256  # per-step prefill budget: longer prompts prefill in chunks
+    tp_size: int = 1  # simulated tensor-parallel ranks, each holding its own copy of the block table
+
+    def __post_init__(self) -> None:
+        _require(self.attention_backend in BACKENDS, "engine.attention_backend",
+                 f"must be one of {list(BACKENDS)}, got {self.attention_backend!r}")
+        _require(self.max_prefill_tokens > 0, "engine.max_prefill_tokens", "must be > 0")
+        _require(self.tp_size > 0 and self.model.num_kv_heads % self.tp_size == 0, "engine.tp_size",
+                 f"must divide num_kv_heads ({self.model.num_kv_heads}), got {self.tp_size}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"engine.device: {e}") from None
+
+    def resolved_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if torch.device(self.device).type == "cuda" else "torch"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def config_hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]

@@ -1,0 +1,369 @@
+"""The reference engine: continuous batching over a paged KV pool, greedy decoding.
+
+One step = schedule (decode every running sequence, then prefill chunks within the token budget,
+preempting by recompute when blocks run out) -> reserve slots -> upload the block table through
+the staging buffer to every rank -> one model pass -> one token per sequence whose tokens are all
+computed.
+"""
+from __future__ import annotations
+
+from collections import deque
+import os
+import time
+import zlib
+
+import torch
+
+from engine.attention import paged_decode_torch, paged_prefill_torch, write_kv
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest, RequestRejected
+from engine.model import Model
+from engine.protocols import BlockManagerProtocol
+from engine.ranks import RankGroup
+from engine.seams import Seams
+from engine.sequence import Sequence, State, StepOutput, StepStats
+from engine.staging import StagingBuffer
+
+
+def _decode_backend(name: str):
+    if name == "triton":
+        from engine.triton_decode import paged_decode_triton
+        return paged_decode_triton
+    return paged_decode_torch
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, block_manager: BlockManagerProtocol | None = None) -> None:
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.device = torch.device(config.device)
+        self.model = Model(mc, config.seed, self.device)
+        self.bm = block_manager if block_manager is not None else BlockManager(
+            cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
+        if not isinstance(self.bm, BlockManagerProtocol):
+            raise TypeError(f"{type(self.bm).__name__} does not implement engine.protocols.BlockManagerProtocol")
+        self.seams = Seams()
+        self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
+        self.decode_attention = _decode_backend(config.resolved_backend())
+        tp = config.tp_size
+        self.kv_heads_per_rank = mc.num_kv_heads // tp
+        # One pool per rank: [layers, K/V, blocks, block_size, kv_heads / tp, head_dim]
+        self.kv_pools = [torch.zeros(mc.num_layers, 2, self.bm.num_blocks, self.bm.block_size,
+                                     self.kv_heads_per_rank, mc.head_dim, dtype=mc.torch_dtype, device=self.device)
+                         for _ in range(tp)]
+        self.ranks = RankGroup(tp, self.device)
+        self._pinned = self.device.type == "cuda"
+        self.staging = StagingBuffer(self.bm.table.host_tensor.numel(), self._pinned)
+        self.seqs: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.step_count = 0
+        self.table_version = 0
+        self.counters = {"staging_reallocs": 0, "preemptions": 0, "cow_copies": 0, "stale_rank_computes": 0,
+                         "rank_sync_waits": 0}
+
+    # -- requests ------------------------------------------------------------------------
+    def _validate(self, request_id: str, tokens: list[int], max_new_tokens: int) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r}")
+        if request_id in self.seqs:
+            raise InvalidRequest(f"request {request_id!r}: duplicate request id")
+        if not tokens:
+            raise InvalidRequest(f"request {request_id!r}: empty prompt")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"request {request_id!r}: token {bad[0]!r} outside the vocabulary [0, {vocab})")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise InvalidRequest(f"request {request_id!r}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        total = len(tokens) + max_new_tokens
+        if total > self.config.model.max_position:
+            raise RequestRejected(f"request {request_id!r}: {total} tokens exceed the model's "
+                                  f"{self.config.model.max_position} positions")
+        bs, table = self.bm.block_size, self.bm.table
+        blocks = -(-total // bs)
+        if blocks > self.bm.num_blocks:
+            raise RequestRejected(f"request {request_id!r}: needs {blocks} blocks, the pool has {self.bm.num_blocks}")
+        if blocks > table.width and self.seams.admission_check:
+            if self.config.cache.overflow_policy == "resize":
+                self.bm.resize_table(width=blocks)
+            else:
+                raise RequestRejected(f"request {request_id!r}: {total} tokens need {blocks} blocks, a table row "
+                                      f"holds {table.width} (max {table.width * bs} tokens per sequence)")
+
+    def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int) -> None:
+        """Queue a request. Raises InvalidRequest (malformed) or RequestRejected (429: can never fit);
+        either way the engine is unchanged."""
+        prompt = list(prompt)
+        self._validate(request_id, prompt, max_new_tokens)
+        seq = Sequence(request_id, prompt, len(prompt), max_new_tokens, self.step_count)
+        self.seqs[request_id] = seq
+        self.waiting.append(seq)
+
+    def fork(self, parent_id: str, child_id: str, max_new_tokens: int, extra_tokens: list[int] = ()) -> None:
+        """A new request continuing parent's tokens (plus extra_tokens). If the parent holds blocks,
+        the child shares them (prefix sharing); copy-on-write keeps the two apart."""
+        parent = self.seqs.get(parent_id)
+        if parent is None or parent.done:
+            raise InvalidRequest(f"fork: parent {parent_id!r} is not a live request")
+        tokens = parent.tokens + list(extra_tokens)
+        self._validate(child_id, tokens, max_new_tokens)
+        child = Sequence(child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id)
+        if parent.state is State.RUNNING and self.bm.num_free_rows > 0:
+            self.bm.fork(parent_id, child_id)
+            child.state, child.num_computed = State.RUNNING, parent.num_computed
+            self.running.append(child)
+        if child.state is State.WAITING:
+            self.waiting.append(child)
+        self.seqs[child_id] = child
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel in any state. True if it was live; False (a no-op) if already finished or
+        cancelled. Raises InvalidRequest for an id the engine never saw."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise InvalidRequest(f"cancel: unknown request id {request_id!r}")
+        if seq.done:
+            return False
+        if seq.state is State.RUNNING:
+            self.running.remove(seq)
+            self._release(seq, "cancel")
+        else:
+            self.waiting.remove(seq)
+        seq.state = State.CANCELLED
+        return True
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        """Every exit path of a sequence that holds blocks comes through here."""
+        if self.seams.free_on_exit(seq, reason):
+            self.bm.free(seq.id)
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq, "preempt")
+        seq.state, seq.num_computed = State.PREEMPTED, 0
+        self.waiting.appendleft(seq)
+        self.counters["preemptions"] += 1
+
+    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]], list[str]]:
+        """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
+        bm, budget = self.bm, self.config.max_prefill_tokens
+        preempted: list[str] = []
+        decode = [s for s in self.running if s.uncomputed == 1]
+        # Make room for one token per decoding sequence, preempting the newest first.
+        while decode and sum(bm.blocks_needed(s.id, 1) for s in decode) > bm.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.id)
+            if victim in decode:
+                decode.remove(victim)
+        free = bm.num_free_blocks - sum(bm.blocks_needed(s.id, 1) for s in decode)
+        prefill: list[tuple[Sequence, int]] = []
+        for s in self.running:
+            if s.uncomputed > 1 and budget > 0:
+                n = min(s.uncomputed, budget)
+                need = bm.blocks_needed(s.id, n)
+                if need <= free:
+                    prefill.append((s, n))
+                    budget -= n
+                    free -= need
+        rows = bm.num_free_rows
+        while self.waiting and budget > 0 and rows > 0:
+            s = self.waiting[0]
+            n = min(s.uncomputed, budget)
+            need = bm.blocks_needed(s.id, n)
+            if need > free - self.watermark_blocks:
+                break  # FCFS: the head waits for room, nobody overtakes it
+            self.waiting.popleft()
+            s.state = State.RUNNING
+            self.running.append(s)
+            prefill.append((s, n))
+            budget -= n
+            free -= need
+            rows -= 1
+        return decode, prefill, preempted
+
+    # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        t0 = time.perf_counter()
+        self.step_count += 1
+        decode, prefill, preempted = self._schedule()
+        while not decode and not prefill and len(self.running) > 1:
+            # Every running sequence is stuck mid-prefill on a full pool: free the newest.
+            victim = self.running[-1]
+            self._preempt(victim)
+            d, prefill, p = self._schedule()
+            decode, preempted = d, preempted + [victim.id] + p
+        if not decode and not prefill:
+            stats = self._stats(t0, t0, decode, prefill, preempted, [])
+            return StepOutput(stats, {}, {}, [])
+        scheduled = decode + [s for s, _ in prefill]
+        try:
+            copies = self.bm.append_decode([s.id for s in decode]) if hasattr(self.bm, "append_decode") \
+                else [c for s in decode for c in self.bm.append(s.id, 1)]
+            for s, n in prefill:
+                copies += self.bm.append(s.id, n)
+            if copies:
+                self._copy_blocks(copies)
+            stale = self._upload_table()
+            tokens, positions, metas = self._build_batch(decode, prefill)
+            t_host = time.perf_counter()
+            hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
+            # Sequences whose every token is now computed produce a token.
+            emit: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
+            off = len(decode)
+            for s, n in prefill:
+                off += n
+                if s.uncomputed == n:
+                    emit.append((s, off - 1))
+            logits = self.model.logits(hidden[[i for _, i in emit]]) if emit else None
+        except BaseException:
+            # Leave nothing half-done: the step's sequences give their blocks back and recompute.
+            for s in scheduled:
+                if s.state is State.RUNNING and s in self.running:
+                    self._preempt(s)
+            raise
+        for s in decode:
+            s.num_computed += 1
+        for s, n in prefill:
+            s.num_computed += n
+        out_tokens, out_logits, finished = {}, {}, []
+        if emit:
+            logits_cpu = logits.cpu()
+            next_tokens = logits_cpu.argmax(-1).tolist()
+            for (s, _), tok, row in zip(emit, next_tokens, logits_cpu):
+                s.tokens.append(tok)
+                out_tokens[s.id], out_logits[s.id] = tok, row
+                if s.num_generated >= s.max_new_tokens:
+                    s.state = State.FINISHED
+                    self.running.remove(s)
+                    self._release(s, "finish")
+                    finished.append(s.id)
+        stats = self._stats(t0, t_host, decode, prefill, preempted, stale)
+        return StepOutput(stats, out_tokens, out_logits, finished)
+
+    def _stats(self, t0, t_host, decode, prefill, preempted, stale) -> StepStats:
+        crcs, table_crc = [], 0
+        if len(self.ranks.ranks) > 1:
+            crcs = [r.crc() for r in self.ranks.ranks]
+            table_crc = zlib.crc32(memoryview(self.bm.table.host))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        return StepStats(step=self.step_count, latency_s=now - t0, host_s=t_host - t0,
+                         free_blocks=self.bm.num_free_blocks, num_running=len(self.running),
+                         num_waiting=len(self.waiting), prefill_tokens=sum(n for _, n in prefill),
+                         decode_tokens=len(decode), preempted=preempted, table_version=self.table_version,
+                         stale_ranks=stale, rank_table_crcs=crcs, table_crc=table_crc)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for pool in self.kv_pools:
+            pool[:, :, dst] = pool[:, :, src]
+        self.counters["cow_copies"] += len(copies)
+        self.seams.on_event("cow", {"copies": copies})
+
+    def _upload_table(self) -> list[int]:
+        """host table -> staging -> every rank. Returns the ranks left on an old version."""
+        host = self.bm.table.host_tensor
+        if self.staging.tensor.numel() != host.numel():
+            self.staging = StagingBuffer(host.numel(), self._pinned)
+        elif self.seams.staging_check and not self.staging.valid():
+            self.staging = StagingBuffer(host.numel(), self._pinned)
+            self.counters["staging_reallocs"] += 1
+            self.seams.on_event("staging_realloc", {"pid": os.getpid()})
+        staged = self.staging.stage(host)
+        self.table_version += 1
+        self.ranks.publish(staged, self.table_version, self.step_count, self.seams.rank_delay)
+        self.ranks.deliver(self.step_count)
+        if self.seams.rank_sync:
+            self.counters["rank_sync_waits"] += self.ranks.sync()
+        stale = [r.index for r in self.ranks.ranks if r.version != self.table_version]
+        self.counters["stale_rank_computes"] += len(stale)
+        return stale
+
+    def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
+        """Token ids, positions and, per rank, the slot mapping and attention tables, all read
+        through that rank's own copy of the flat table."""
+        bs, width = self.bm.block_size, self.bm.table.width
+        rows = self.bm.rows if hasattr(self.bm, "rows") else self.bm.snapshot().seq_rows
+        tok, pos = [], []
+        for s in decode:
+            tok.append(s.tokens[-1])
+            pos.append(s.num_computed)
+        for s, n in prefill:
+            tok += s.tokens[s.num_computed:s.num_computed + n]
+            pos += range(s.num_computed, s.num_computed + n)
+        dev = self.device
+        tokens = torch.tensor(tok, device=dev)
+        positions = torch.tensor(pos, device=dev)
+        nd = len(decode)
+        dec_lens = positions[:nd].to(torch.int32) + 1
+        nblk_dec = -(-(max(pos[:nd]) + 1) // bs) if nd else 0
+        dec_rows = torch.tensor([rows[s.id] for s in decode], device=dev)
+        metas = []
+        for rank in self.ranks.ranks:
+            flat = rank.table
+            last = flat.numel() - 1
+            slots, dec_tables, chunks = [], None, []
+            if nd:  # flat addressing: an overlong row reads on into the next one, as a kernel would
+                idx = (dec_rows[:, None] * width + torch.arange(nblk_dec, device=dev)[None, :]).clamp_(max=last)
+                dec_tables = flat[idx]
+                p = positions[:nd]
+                slots.append(dec_tables.gather(1, (p // bs)[:, None])[:, 0].long() * bs + p % bs)
+            off = nd
+            for s, n in prefill:
+                start = s.num_computed
+                nblk = -(-(start + n) // bs)
+                trow = flat[(rows[s.id] * width + torch.arange(nblk, device=dev)).clamp_(max=last)]
+                p = positions[off:off + n]
+                slots.append(trow[p // bs].long() * bs + p % bs)
+                chunks.append((off, n, start, trow))
+                off += n
+            metas.append((torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, chunks))
+        self._dec_lens = dec_lens
+        return tokens, positions, metas
+
+    def _attend(self, nd: int, metas):
+        scale, decode_attention = self.model.scale, self.decode_attention
+        hkv_r = self.kv_heads_per_rank
+        h_r = hkv_r * (self.config.model.num_heads // self.config.model.num_kv_heads)
+        pools, dec_lens = self.kv_pools, self._dec_lens
+        max_len = int(dec_lens.max()) if nd else 0
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for r, (slots, dec_tables, chunks) in enumerate(metas):
+                kc, vc = pools[r][layer, 0], pools[r][layer, 1]
+                qr = q[:, r * h_r:(r + 1) * h_r]
+                write_kv(kc, vc, slots, k[:, r * hkv_r:(r + 1) * hkv_r], v[:, r * hkv_r:(r + 1) * hkv_r])
+                parts = []
+                if nd:
+                    parts.append(decode_attention(qr[:nd], kc, vc, dec_tables, dec_lens, scale, max_len))
+                for off, n, start, trow in chunks:
+                    parts.append(paged_prefill_torch(qr[off:off + n], kc, vc, trow, start, scale))
+                outs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+        return attend
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def close(self) -> None:
+        """Release every block still held (idempotent)."""
+        for s in list(self.running):
+            self.running.remove(s)
+            self.bm.free(s.id)
+            s.state = State.CANCELLED
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,57 @@
+"""The BlockManager protocol: what the engine needs from a block manager, so a user's own can run
+under kvchaos (`--block-manager module:attr`). The reference implementation is
+engine.block_manager.BlockManager.
+
+Contract, in words:
+- Sequences are keyed by string ids. `append(seq, n)` reserves slots for n more tokens (a new id
+  starts a sequence) and returns the (src, dst) block copies the engine must apply for
+  copy-on-write; it is atomic: it raises engine.errors.OutOfBlocks and changes nothing when
+  the pool cannot cover it.
+- `blocks_needed(seq, n)` is how many free blocks append(seq, n) would take (copy-on-write
+  included); `num_free_rows` how many more sequences can start.
+- `fork(parent, child)` makes child share every block of parent.
+- `free(seq)` releases everything seq holds; it is idempotent (returns False for an unknown id).
+- `table` is the flat block table: `rows`, `width`, `host_tensor` (a flat int32 CPU tensor of
+  rows * width entries, entry (row, i) at row * width + i, -1 unused), `bound_check`,
+  `overflow_writes`. Row r of the table maps sequence `seq_rows[seq]`'s block list.
+- `snapshot()` is read-only and returns a Snapshot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class Snapshot:
+    """A read-only picture of a block manager, for checkers. Plain data (JSON-able)."""
+
+    num_blocks: int
+    free: list[int]
+    ref_counts: list[int]
+    seq_blocks: dict[str, list[int]]
+    seq_rows: dict[str, int]
+    table: list[int]
+    table_width: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@runtime_checkable
+class BlockManagerProtocol(Protocol):
+    block_size: int
+    table: object
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_free_rows(self) -> int: ...
+    def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int: ...
+    def append(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]: ...
+    def fork(self, parent_id: str, child_id: str) -> None: ...
+    def free(self, seq_id: str) -> bool: ...
+    def resize_table(self, rows: int | None = None, width: int | None = None) -> None: ...
+    def snapshot(self) -> Snapshot: ...

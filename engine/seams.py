@@ -1,0 +1,37 @@
+"""The engine's fault seams: the small, named set of places where a fault may change behaviour.
+Defaults are the remediated engine. The engine reads them; it never imports a fault.
+
+Besides these, the block manager's table has `bound_check` (refuse writes past a row's width).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def _no_delay(rank: int, step: int) -> int:
+    return 0
+
+
+def _always_free(seq, reason: str) -> bool:
+    return True
+
+
+def _ignore(kind: str, data: dict) -> None:
+    return None
+
+
+@dataclass
+class Seams:
+    # Reject (or, by policy, make room for) a request that can never fit a table row.
+    admission_check: bool = True
+    # Re-allocate the host staging buffer when it is not valid in this process.
+    staging_check: bool = True
+    # Ranks acknowledge the current table version before computing.
+    rank_sync: bool = True
+    # Steps by which rank r's table update for a step arrives late (0 = on time).
+    rank_delay: Callable[[int, int], int] = _no_delay
+    # Whether to release a sequence's blocks as it leaves (reason: finish, cancel, preempt, error).
+    free_on_exit: Callable[[object, str], bool] = _always_free
+    # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
+    on_event: Callable[[str, dict], None] = field(default=_ignore)

@@ -1,0 +1,69 @@
+"""A request as the engine tracks it: plain data."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class State(enum.Enum):
+    WAITING = "waiting"      # never scheduled yet, or waiting for room
+    RUNNING = "running"      # holds blocks: prefilling (more than one token to compute) or decoding
+    PREEMPTED = "preempted"  # blocks taken back; recomputes from scratch when readmitted
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: str
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    arrival_step: int
+    state: State = State.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    parent: str | None = None  # forked from (shares its blocks until written)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def phase(self) -> str:
+        """Where in its life the sequence is: waiting, prefill, decode, preempted, finished, cancelled."""
+        if self.state is State.RUNNING:
+            return "decode" if self.uncomputed == 1 else "prefill"
+        return self.state.value
+
+    @property
+    def done(self) -> bool:
+        return self.state in (State.FINISHED, State.CANCELLED)
+
+
+@dataclass
+class StepStats:
+    step: int
+    latency_s: float
+    host_s: float  # scheduling, block bookkeeping, table upload, metadata: everything but the model
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    prefill_tokens: int
+    decode_tokens: int
+    preempted: list[str] = field(default_factory=list)
+    table_version: int = 0
+    stale_ranks: list[int] = field(default_factory=list)  # ranks that computed on an old table
+    rank_table_crcs: list[int] = field(default_factory=list)  # per rank, when tp_size > 1
+    table_crc: int = 0
+
+
+@dataclass
+class StepOutput:
+    stats: StepStats
+    tokens: dict[str, int]        # request id -> token produced this step
+    logits: dict[str, "object"]   # request id -> float32 logits [vocab] (CPU tensor)
+    finished: list[str]
