@@ -1,0 +1,1 @@
+"""kvchaos harness."""

@@ -1,0 +1,3 @@
+"""kvchaos command line."""
+def main(argv=None):
+    raise SystemExit("kvchaos: the CLI is being built")

@@ -1,0 +1,91 @@
+"""The history: an append-only JSONL event log, flushed as the run goes and written before any
+checking, so a stored run can be re-checked without re-running it.
+
+Every event has "e" (its kind) and "step" (the engine step it belongs to; 0 before the first).
+Kinds and their fields:
+  run_start  scenario, seed, config, config_hash, commit, device, time
+  submit     req, prompt_len, max_new, parent (fork source or null)
+  reject     req, error ("InvalidRequest" | "RequestRejected"), message
+  cancel     req, phase (waiting | prefill | decode | preempted), shared (held a block also held by
+             another sequence), blocks (the blocks it held)
+  step       latency_s, host_s, free_blocks, running, waiting, prefill_tokens, decode_tokens,
+             preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs, table_crc
+  snapshot   the engine.protocols.Snapshot fields, plus live (requests the engine is running)
+  engine     kind (cow | staging_realloc | ...), data
+  fault      fault, kind ("armed" | "trigger" | "fired"), detail
+  oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
+             tolerance, divergence_step (engine step of the first divergent token, or null)
+  error      error, message, traceback
+  run_end    reason (done | max_steps | interrupted | error), counters, fault_verify
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+
+class History:
+    """Writes events to a JSONL file as they happen. Also keeps them in memory unless
+    keep=False (long soaks stream to disk only)."""
+
+    def __init__(self, path: str | Path | None, keep: bool = True) -> None:
+        self.path = Path(path) if path else None
+        self._f = open(self.path, "w", encoding="utf-8") if self.path else None
+        self.events: list[dict] = [] if keep else None
+        self._hash = hashlib.sha256()
+
+    def append(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":"), sort_keys=True)
+        self._hash.update(_stable_line(event))
+        if self._f:
+            self._f.write(line + "\n")
+        if self.events is not None:
+            self.events.append(event)
+
+    def flush(self) -> None:
+        if self._f:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+            self._f = None
+
+    def digest(self) -> str:
+        """Hash of everything deterministic in the history (UNSTABLE_KEYS left out)."""
+        return self._hash.hexdigest()
+
+
+def read_history(path: str | Path) -> list[dict]:
+    return list(iter_history(path))
+
+
+def iter_history(path: str | Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                # a run killed mid-write leaves a torn last line; everything before it stands
+                return
+
+
+# Fields that measure time or the machine: they vary run to run; everything else must not.
+UNSTABLE_KEYS = frozenset({"latency_s", "host_s", "time", "wall_s", "telemetry", "commit", "device_name"})
+
+
+def _stable_line(event: dict) -> bytes:
+    stable = {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
+    return json.dumps(stable, separators=(",", ":"), sort_keys=True).encode()
+
+
+def deterministic_digest(events: list[dict]) -> str:
+    h = hashlib.sha256()
+    for ev in events:
+        h.update(_stable_line(ev))
+    return h.hexdigest()
