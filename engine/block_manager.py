@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from engine.block_table import BlockTable
-from engine.errors import OutOfBlocks
+from engine.errors import OutOfBlocks, TableOverflow
 from engine.protocols import Snapshot
 
 
@@ -88,10 +88,14 @@ class BlockManager:
     def append(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]:
         """Reserve slots for num_new_tokens more tokens of seq_id (a new id starts a sequence).
         Returns the (src, dst) block copies the caller must apply to the KV pool (copy-on-write).
-        Atomic: raises OutOfBlocks without changing anything."""
-        if self.blocks_needed(seq_id, num_new_tokens) > len(self.pool.free) or (
-                seq_id not in self.rows and not self._free_rows):
+        Atomic: raises OutOfBlocks (pool or rows exhausted) or TableOverflow (row width, bound check
+        on) without changing anything."""
+        need = self.blocks_needed(seq_id, num_new_tokens)
+        if need > len(self.pool.free) or (seq_id not in self.rows and not self._free_rows):
             raise OutOfBlocks(f"sequence {seq_id}: {num_new_tokens} tokens need more blocks than are free")
+        last = -(-(self.num_tokens.get(seq_id, 0) + num_new_tokens) // self.block_size) - 1
+        if need and last >= self.table.width and self.table.bound_check:  # refuse before changing anything
+            raise TableOverflow(f"sequence {seq_id}: block-table index {last} >= width {self.table.width}")
         pool, table, bs = self.pool, self.table, self.block_size
         if seq_id not in self.rows:
             self.rows[seq_id] = self._free_rows.pop()
@@ -123,12 +127,17 @@ class BlockManager:
         (it falls back to append() when the pool could run dry mid-batch)."""
         pool = self.pool
         free, ref = pool.free, pool.ref
+        table = self.table
+        if table.bound_check:  # a sequence needing a block past its row's width fails the batch, unchanged
+            bs, nt, blocks, w = self.block_size, self.num_tokens, self.blocks, table.width
+            for s in seq_ids:
+                if nt[s] % bs == 0 and len(blocks[s]) >= w:
+                    raise TableOverflow(f"sequence {s}: block-table index {len(blocks[s])} >= width {w}")
         if len(free) < len(seq_ids):  # might run dry: count exactly first, so a failure changes nothing
             if sum(self.blocks_needed(s, 1) for s in seq_ids) > len(free):
                 raise OutOfBlocks(f"decode of {len(seq_ids)} sequences needs more blocks than are free")
             return [c for s in seq_ids for c in self.append(s, 1)]
         bs, nt, blocks, rows = self.block_size, self.num_tokens, self.blocks, self.rows
-        table = self.table
         host, w = table.host, table.width
         copies: list[tuple[int, int]] = []
         for s in seq_ids:

@@ -29,7 +29,9 @@ class BlockTable:
             if self.bound_check:
                 raise TableOverflow(f"block-table row {row}: index {index} >= width {self.width}")
             self.overflow_writes += 1
-        self.host[row * self.width + index] = block  # IndexError past the buffer's end, never silent
+            if row * self.width + index >= len(self.host):
+                return  # past the whole buffer: a raw kernel would scribble on whatever lies beyond
+        self.host[row * self.width + index] = block
 
     def clear(self, row: int, count: int) -> None:
         """Unmap entries 0..count-1 of a row (flat addressing: an overlong row spills over too)."""

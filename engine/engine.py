@@ -188,7 +188,7 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.step_count += 1
         decode, prefill, preempted = self._schedule()
         while not decode and not prefill and len(self.running) > 1:
@@ -198,7 +198,7 @@ class Engine:
             d, prefill, p = self._schedule()
             decode, preempted = d, preempted + [victim.id] + p
         if not decode and not prefill:
-            stats = self._stats(t0, t0, decode, prefill, preempted, [])
+            stats = self._stats(t0, c0, t0, decode, prefill, preempted, [], computed=False)
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
@@ -242,18 +242,15 @@ class Engine:
                     self.running.remove(s)
                     self._release(s, "finish")
                     finished.append(s.id)
-        stats = self._stats(t0, t_host, decode, prefill, preempted, stale)
+        stats = self._stats(t0, c0, t_host, decode, prefill, preempted, stale)
         return StepOutput(stats, out_tokens, out_logits, finished)
 
-    def _stats(self, t0, t_host, decode, prefill, preempted, stale) -> StepStats:
-        crcs, table_crc = [], 0
-        if len(self.ranks.ranks) > 1:
-            crcs = [r.crc() for r in self.ranks.ranks]
-            table_crc = zlib.crc32(memoryview(self.bm.table.host))
+    def _stats(self, t0, c0, t_host, decode, prefill, preempted, stale, computed=True) -> StepStats:
+        crcs, table_crc = (self._crcs, self._table_crc) if computed else ([], 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        return StepStats(step=self.step_count, latency_s=now - t0, host_s=t_host - t0,
+        return StepStats(step=self.step_count, latency_s=now - t0, host_s=t_host - t0, cpu_s=time.thread_time() - c0,
                          free_blocks=self.bm.num_free_blocks, num_running=len(self.running),
                          num_waiting=len(self.waiting), prefill_tokens=sum(n for _, n in prefill),
                          decode_tokens=len(decode), preempted=preempted, table_version=self.table_version,
@@ -282,6 +279,11 @@ class Engine:
         self.ranks.deliver(self.step_count)
         if self.seams.rank_sync:
             self.counters["rank_sync_waits"] += self.ranks.sync()
+        if len(self.ranks.ranks) > 1:  # what each rank computes with vs what the scheduler uploaded
+            self._crcs = [r.crc() for r in self.ranks.ranks]
+            self._table_crc = zlib.crc32(memoryview(self.bm.table.host))
+        else:
+            self._crcs, self._table_crc = [], 0
         stale = [r.index for r in self.ranks.ranks if r.version != self.table_version]
         self.counters["stale_rank_computes"] += len(stale)
         return stale

@@ -49,6 +49,7 @@ class StepStats:
     step: int
     latency_s: float
     host_s: float  # scheduling, block bookkeeping, table upload, metadata: everything but the model
+    cpu_s: float   # CPU time of the engine's thread in the step (immune to other processes' load)
     free_blocks: int
     num_running: int
     num_waiting: int

@@ -1,1 +1,12 @@
-"""kvchaos faults."""
+"""The four failure modes of the source article, each with a trigger and a plantable defect."""
+from faults.base import Fault
+from faults.ordering_race import OrderingRace
+from faults.refcount_leak import RefcountLeak
+from faults.staging_stall import StagingStall
+from faults.table_overflow import TableOverflow
+
+REGISTRY: dict[str, type[Fault]] = {f.name: f for f in (TableOverflow, RefcountLeak, StagingStall, OrderingRace)}
+
+
+def make_fault(name: str, defect: bool, params: dict, seed: int) -> Fault:
+    return REGISTRY[name](defect, params, seed)

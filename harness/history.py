@@ -76,7 +76,7 @@ def iter_history(path: str | Path) -> Iterator[dict]:
 
 
 # Fields that measure time or the machine: they vary run to run; everything else must not.
-UNSTABLE_KEYS = frozenset({"latency_s", "host_s", "time", "wall_s", "telemetry", "commit", "device_name"})
+UNSTABLE_KEYS = frozenset({"latency_s", "host_s", "cpu_s", "time", "wall_s", "telemetry", "commit", "device_name"})
 
 
 def _stable_line(event: dict) -> bytes:

@@ -1,0 +1,44 @@
+"""Failure mode 4: cross-GPU ordering race. Tensor-parallel ranks each hold a copy of the block
+table; one rank's update arrives late. With no version check before compute, that rank reads a
+stale table for a step and writes/reads K/V at the wrong slots."""
+from __future__ import annotations
+
+from faults.base import Fault
+
+
+class OrderingRace(Fault):
+    name = "ordering_race"
+    detectors = ("cross_rank", "oracle_divergence")
+    root_cause = ("A rank computed before its block-table update had landed: no acknowledgement of the "
+                  "table version before compute, so it read a stale table and used the wrong KV slots.")
+    remediation = ("Ranks acknowledge the table version before computing (barrier / event sync); a stale "
+                   "version is refused.")
+    defaults = {"lag_rank": 1, "lag_steps": 1, "probability": 0.3, "from_step": 3}
+
+    def arm(self, engine, emit) -> None:
+        super().arm(engine, emit)
+        if engine.config.tp_size < 2:
+            raise ValueError("fault ordering_race needs engine.tp_size >= 2")
+        if not 0 <= self.p["lag_rank"] < engine.config.tp_size:
+            raise ValueError(f"fault ordering_race: lag_rank must be in [0, {engine.config.tp_size})")
+        engine.seams.rank_sync = not self.defect
+        rng, p = self.rng, self.p
+
+        def rank_delay(rank: int, step: int) -> int:
+            if rank == p["lag_rank"] and step >= p["from_step"] and rng.random() < p["probability"]:
+                emit("trigger", {"rank": rank, "late_by_steps": p["lag_steps"], "at": step})
+                return p["lag_steps"]
+            return 0
+
+        engine.seams.rank_delay = rank_delay
+        self.stale_reads = 0
+
+    def after_step(self, engine, step, output) -> None:
+        st = output.stats
+        diff = [r for r, c in enumerate(st.rank_table_crcs) if c != st.table_crc]
+        if diff:  # a rank computed on a table that differs from the scheduler's: a stale read served
+            self.stale_reads += 1
+            self.fired(step, {"ranks": diff, "table_version": st.table_version})
+
+    def verify(self) -> dict:
+        return {**super().verify(), "stale_reads_served": self.stale_reads}

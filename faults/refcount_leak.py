@@ -1,0 +1,61 @@
+"""Failure mode 2: reference-count leak on cancel. One cancel path skips the free, so the
+cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains."""
+from __future__ import annotations
+
+from faults.base import Fault
+from harness.workload import Action
+
+PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
+
+
+class RefcountLeak(Fault):
+    name = "refcount_leak"
+    detectors = ("block_accounting", "liveness")
+    root_cause = ("A cancel path returned without releasing the sequence's blocks: their reference counts "
+                  "never dropped, so they stayed out of the free pool with no live owner.")
+    remediation = ("Own blocks through a handle that frees on every exit path (context manager / "
+                   "try-finally) and make free idempotent, so cancel, finish, preempt and error all release.")
+    defaults = {"paths": list(PATHS), "fraction": 1.0, "cancel_phases": ["prefill", "decode", "shared"],
+                "storm_step": None, "storm_fraction": 0.5}
+
+    def shape(self, plan, cfg) -> None:
+        bad = [p for p in self.p["paths"] + self.p["cancel_phases"] if p not in PATHS]
+        if bad:
+            raise ValueError(f"fault refcount_leak: unknown path {bad[0]!r}; allowed: {list(PATHS)}")
+        subs = [a for a in plan.actions if a.op == "submit"]
+        forks = [a for a in plan.actions if a.op == "fork"]
+        for i, phase in enumerate(self.p["cancel_phases"]):
+            if phase == "shared" and forks:
+                plan.add(Action(1, "cancel", forks[i % len(forks)].req, when="shared", origin=self.name))
+            elif subs and phase != "shared":
+                t = subs[(2 * i + 1) % len(subs)]
+                plan.add(Action(t.step, "cancel", t.req, when=phase, origin=self.name))
+        if self.p["storm_step"] is not None:
+            for a in subs:
+                if a.step <= self.p["storm_step"] and self.rng.random() < self.p["storm_fraction"]:
+                    plan.add(Action(self.p["storm_step"], "cancel", a.req, origin=self.name))
+
+    def arm(self, engine, emit) -> None:
+        super().arm(engine, emit)
+        self.leaked: list[dict] = []
+        if not self.defect:
+            return
+        bm, paths, frac, rng = engine.bm, set(self.p["paths"]), self.p["fraction"], self.rng
+
+        def free_on_exit(seq, reason: str) -> bool:
+            if reason != "cancel":
+                return True
+            blocks = list(getattr(bm, "blocks", {}).get(seq.id, ())) or bm.snapshot().seq_blocks.get(seq.id, [])
+            shared = any(bm.snapshot().ref_counts[b] > 1 for b in blocks) if blocks else False
+            path = "shared" if shared else seq.phase
+            if path in paths and blocks and rng.random() < frac:
+                self.leaked.append({"req": seq.id, "path": path, "blocks": blocks})
+                self.fired(engine.step_count + 1, {"req": seq.id, "path": path, "blocks": blocks})
+                return False
+            return True
+
+        engine.seams.free_on_exit = free_on_exit
+
+    def verify(self) -> dict:
+        return {**super().verify(), "skipped_frees": len(self.leaked),
+                "leaked_blocks": sum(len(x["blocks"]) for x in self.leaked), "leaks": self.leaked}

@@ -1,0 +1,186 @@
+"""Scenario files: TOML, validated on load. A bad file gets one error naming the file, the key and
+what is allowed."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.errors import ConfigError, KVChaosError
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+CHECKERS = ("oracle_divergence", "block_accounting", "table_integrity", "latency", "cross_rank", "liveness")
+
+
+class ScenarioError(KVChaosError, ValueError):
+    """A scenario file is missing, unreadable or invalid."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LengthDist(_Strict):
+    dist: Literal["fixed", "uniform", "lognormal", "bimodal"] = "uniform"
+    value: int = 16          # fixed
+    min: int = 1             # uniform / clip
+    max: int = 64            # uniform / clip
+    median: float = 16.0     # lognormal
+    sigma: float = 0.5       # lognormal
+    modes: tuple[int, int] = (8, 48)  # bimodal
+    weight: float = 0.5      # bimodal: share of the first mode
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.min < 1 or self.max < self.min:
+            raise ValueError(f"need 1 <= min <= max, got min={self.min} max={self.max}")
+        return self
+
+
+class CancelSpec(_Strict):
+    rate: float = Field(0.0, ge=0.0, le=1.0)   # share of requests cancelled at a random later step
+    phases: list[Literal["waiting", "prefill", "decode", "preempted", "shared"]] = []  # one targeted cancel each
+    storm_step: int | None = Field(None, ge=1)  # cancel every live request at this step
+    storm_fraction: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class Workload(_Strict):
+    num_requests: int = Field(16, ge=0)
+    arrival_rate: float = Field(1.0, gt=0.0)   # mean requests per step (Poisson)
+    prompt_len: LengthDist = LengthDist(dist="uniform", min=4, max=32)
+    output_len: LengthDist = LengthDist(dist="uniform", min=4, max=32)
+    lengths_file: str | None = None            # CSV or JSONL of (prompt_len, output_len), replayed in order
+    fork_groups: int = Field(0, ge=0)          # requests forked from a running parent, sharing its prefix
+    fork_extra_tokens: int = Field(4, ge=0)
+    cancel: CancelSpec = CancelSpec()
+
+
+class FaultSpec(_Strict):
+    name: Literal["table_overflow", "refcount_leak", "staging_stall", "ordering_race"]
+    defect: bool = True                        # plant the defect, or only pull the trigger
+    params: dict = {}
+
+
+class Expectation(_Strict):
+    outcome: Literal["clean", "detect"] = "clean"
+    checkers: list[str] = []                   # detect: any one of these must fire ...
+    within_steps: int = Field(20, ge=0)        # ... within this many steps of the defect firing
+
+    @model_validator(mode="after")
+    def _check(self):
+        unknown = [c for c in self.checkers if c not in CHECKERS]
+        if unknown:
+            raise ValueError(f"unknown checker {unknown[0]!r}; allowed: {list(CHECKERS)}")
+        if self.outcome == "detect" and not self.checkers:
+            raise ValueError("outcome 'detect' needs at least one checker")
+        return self
+
+
+class Run(_Strict):
+    max_steps: int = Field(400, ge=1)
+    snapshot_every: int = Field(1, ge=1)
+    latency_slo_ratio: float = Field(2.0, gt=1.0)   # latency checker: sustained ratio to the early baseline
+    latency_signal: Literal["host_s", "latency_s", "cpu_s"] = "host_s"  # the step timing it judges
+    liveness_bound_steps: int = Field(200, ge=1)    # a request waiting longer than this is starved
+
+
+class ScenarioMeta(_Strict):
+    name: str
+    description: str = ""
+    tags: list[str] = []
+    seeds: list[int] = [0, 1, 2]
+
+
+class Scenario(_Strict):
+    scenario: ScenarioMeta
+    engine: dict = {}       # EngineConfig fields; model and cache as nested tables
+    workload: Workload = Workload()
+    faults: list[FaultSpec] = []
+    expect: Expectation = Expectation()
+    run: Run = Run()
+    source: str | None = Field(None, exclude=True)
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name
+
+    @property
+    def markers(self) -> list[str]:
+        marks = ["scenario"] + [f"fault_{f.name}" for f in self.faults] + list(self.scenario.tags)
+        if self.engine_config().tp_size > 1 and "distributed" in self.scenario.tags:
+            marks.append("distributed")
+        return sorted(set(marks))
+
+    def engine_config(self, device: str | None = None, seed: int = 0) -> EngineConfig:
+        e = dict(self.engine)
+        model = ModelConfig(**e.pop("model", {}))
+        cache = CacheConfig(**e.pop("cache", {}))
+        if device:
+            e["device"] = device
+        return EngineConfig(model=model, cache=cache, seed=seed, **e)
+
+    @model_validator(mode="after")
+    def _check_engine(self):
+        try:
+            self.engine_config()
+        except TypeError as e:
+            raise ValueError(f"engine: {e}") from None
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
+    try:
+        sc = Scenario.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "literal_error":
+            msg = f"{msg}, got {err.get('input')!r}"
+        raise ScenarioError(f"{source}: {_where(err['loc'])}: {msg}{more}") from None
+    sc.source = source
+    return sc
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    if not p.exists():
+        named = BUILTIN_DIR / f"{path}.toml"
+        if named.exists():
+            p = named
+        else:
+            raise ScenarioError(f"{path}: no such scenario file or built-in scenario "
+                                f"(built-ins: {', '.join(s.name for s in builtin_scenarios())})")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{p}: not valid TOML: {e}") from None
+    return parse_scenario(data, str(p))
+
+
+def is_scenario_file(path: Path) -> bool:
+    if path.suffix != ".toml":
+        return False
+    try:
+        return "scenario" in tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return path.parent.name == "scenarios"  # a broken file where scenarios live: report it
+
+
+def builtin_scenarios() -> list[Scenario]:
+    return [load_scenario(p) for p in sorted(BUILTIN_DIR.glob("*.toml"))]
