@@ -1,1 +1,160 @@
-"""pytest plugin (placeholder until the scenario collector lands)."""
+"""pytest plugin: every scenario file x seed is a test item, with markers from its faults and tags.
+
+    pytest scenarios/                                   # the built-in suite
+    pytest my_scenarios/ -m "fault_refcount_leak and not soak"
+    pytest scenarios/ --kvchaos-seeds 20 --kvchaos-block-manager mypkg.bm:MyBlockManager
+
+Fixtures for hand-written tests: `kvchaos_run` (run a scenario, a file or a dict, with the command
+line's options) and `kvchaos_engine` (an Engine built on the configured block manager)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from faults import REGISTRY
+from harness.scenario import ScenarioError
+
+MARKERS = {
+    "scenario": "a kvchaos scenario run",
+    "soak": "a long randomised run",
+    "gpu": "needs a CUDA GPU (skips on the CPU)",
+    "distributed": "starts real torch.distributed ranks",
+    "smoke": "a quick scenario",
+    **{f"fault_{n}": f"provokes the {n} failure mode" for n in REGISTRY},
+}
+
+
+def pytest_addoption(parser) -> None:
+    g = parser.getgroup("kvchaos")
+    g.addoption("--kvchaos-device", default="cpu", help="device for scenario runs: cpu (default), cuda, auto")
+    g.addoption("--kvchaos-seeds", default=None,
+                help="a count N (seeds 0..N-1) or a list 0,3,7 (default: each scenario's own seeds)")
+    g.addoption("--kvchaos-report-dir", default=None,
+                help="keep each run's folder here (default: a temporary folder per session)")
+    g.addoption("--kvchaos-block-manager", default=None, metavar="MODULE:ATTR",
+                help="run every scenario under this BlockManager (engine.protocols.BlockManagerProtocol)")
+
+
+def pytest_configure(config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def _report_dir(config) -> Path:
+    d = config.getoption("--kvchaos-report-dir")
+    if d:
+        return Path(d)
+    if not hasattr(config, "_kvchaos_tmp"):
+        config._kvchaos_tmp = config._tmp_path_factory.mktemp("kvchaos") if hasattr(config, "_tmp_path_factory") \
+            else Path(__import__("tempfile").mkdtemp(prefix="kvchaos-"))
+    return config._kvchaos_tmp
+
+
+def pytest_collect_file(file_path: Path, parent):
+    from harness.scenario import is_scenario_file
+
+    if is_scenario_file(file_path):
+        return ScenarioFile.from_parent(parent, path=file_path)
+    return None
+
+
+class ScenarioFile(pytest.File):
+    def collect(self):
+        from harness.cli import parse_seeds
+        from harness.scenario import load_scenario
+
+        try:
+            sc = load_scenario(self.path)
+        except ScenarioError as e:
+            raise self.CollectError(str(e)) from None
+        seeds = parse_seeds(None, self.config.getoption("--kvchaos-seeds")) or sc.scenario.seeds
+        for seed in seeds:
+            item = ScenarioItem.from_parent(self, name=f"{sc.name}[seed={seed}]", scenario=sc, seed=seed)
+            for m in sc.markers:
+                item.add_marker(m)
+            yield item
+
+    class CollectError(Exception):
+        pass
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, self.CollectError):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+
+class ScenarioFailure(Exception):
+    pass
+
+
+class ScenarioItem(pytest.Item):
+    def __init__(self, *, scenario, seed: int, **kw) -> None:
+        super().__init__(**kw)
+        self.scenario, self.seed = scenario, seed
+        self.user_properties += [("scenario", scenario.name), ("seed", seed)]
+
+    def runtest(self) -> None:
+        import torch
+
+        from harness.runner import run_scenario
+
+        device = self.config.getoption("--kvchaos-device")
+        if self.get_closest_marker("gpu") or device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                pytest.skip("needs a CUDA GPU")
+        r = run_scenario(self.scenario, self.seed, device=device, report_dir=_report_dir(self.config),
+                         block_manager_spec=self.config.getoption("--kvchaos-block-manager"))
+        self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
+        if r.verdict != "PASS":
+            raise ScenarioFailure(r)
+
+    def repr_failure(self, excinfo, style=None):
+        if not isinstance(excinfo.value, ScenarioFailure):
+            return super().repr_failure(excinfo)
+        r = excinfo.value.args[0]
+        evidence = "; ".join(f"[{f.checker} @ step {f.step}] {f.message}" for f in r.findings[:3]) or "no findings"
+        return (f"{r.verdict}: {r.summary}\nevidence: {evidence}\n"
+                f"replay: {r.results['replay']}\nrun folder: {r.run_dir}")
+
+    def reportinfo(self):
+        return self.path, None, f"kvchaos {self.scenario.name} seed={self.seed}"
+
+
+@pytest.fixture
+def kvchaos_run(request, tmp_path):
+    """Run a scenario (a Scenario, a file path, a built-in name, or a dict in the file's shape)
+    with the command line's device and block manager; returns harness.runner.RunResult."""
+    from harness.runner import run_scenario
+    from harness.scenario import Scenario, load_scenario, parse_scenario
+
+    cfg = request.config
+
+    def run(scenario, seed: int = 0, **kw):
+        if isinstance(scenario, dict):
+            scenario = parse_scenario(scenario, f"<{request.node.name}>")
+        elif not isinstance(scenario, Scenario):
+            scenario = load_scenario(scenario)
+        kw.setdefault("device", cfg.getoption("--kvchaos-device"))
+        kw.setdefault("report_dir", tmp_path)
+        kw.setdefault("block_manager_spec", cfg.getoption("--kvchaos-block-manager"))
+        return run_scenario(scenario, seed, **kw)
+
+    return run
+
+
+@pytest.fixture
+def kvchaos_engine(request):
+    """Build an Engine (engine.Engine) from an EngineConfig on the configured block manager."""
+    from engine.engine import Engine
+    from harness.runner import load_object
+
+    spec = request.config.getoption("--kvchaos-block-manager")
+
+    def make(config):
+        if not spec:
+            return Engine(config)
+        cc = config.cache
+        return Engine(config, load_object(spec)(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq))
+
+    return make

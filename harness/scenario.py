@@ -128,6 +128,11 @@ class Scenario(_Strict):
 
     @model_validator(mode="after")
     def _check_engine(self):
+        planted = any(f.defect for f in self.faults)
+        if self.expect.outcome == "detect" and not planted:
+            raise ValueError("expect.outcome 'detect' needs a fault with defect = true")
+        if self.expect.outcome == "clean" and planted:
+            raise ValueError("expect.outcome 'clean' with a planted defect: use 'detect', or set defect = false")
         try:
             self.engine_config()
         except TypeError as e:
