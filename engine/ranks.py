@@ -35,6 +35,10 @@ class RankGroup:
 
     def publish(self, staged: torch.Tensor, version: int, step: int, delay_of) -> None:
         for r in self.ranks:
+            if r.version == 0 and r.table.shape != staged.shape:
+                # version 0 is the initial table, every entry unused: what a rank whose very first
+                # update is late computes with (not an empty tensor)
+                r.table = torch.full(staged.shape, -1, dtype=torch.int32, device=r.device)
             d = delay_of(r.index, step)
             if d <= 0 and not r.inbox:
                 r.apply(version, staged)
