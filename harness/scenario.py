@@ -2,6 +2,8 @@
 what is allowed."""
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -128,6 +130,7 @@ class Scenario(_Strict):
 
     @model_validator(mode="after")
     def _check_engine(self):
+        _check_engine_section(self.engine)
         planted = any(f.defect for f in self.faults)
         if self.expect.outcome == "detect" and not planted:
             raise ValueError("expect.outcome 'detect' needs a fault with defect = true")
@@ -138,12 +141,49 @@ class Scenario(_Strict):
         except TypeError as e:
             raise ValueError(f"engine: {e}") from None
         except ConfigError as e:
-            raise ValueError(str(e)) from None
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("engine.") else f"engine.{msg}") from None
         return self
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_engine_section(engine: dict) -> None:
+    """The [engine] table and its model / cache tables: known keys, values of the field's type."""
+    for where, cls, data in (("engine", EngineConfig, engine), ("engine.model", ModelConfig, engine.get("model", {})),
+                             ("engine.cache", CacheConfig, engine.get("cache", {}))):
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a table, got {data!r}")
+        fields = {f.name: f.type for f in dataclasses.fields(cls) if f.name not in ("seed", "model", "cache")}
+        for key, value in data.items():
+            if cls is EngineConfig and key in ("model", "cache"):
+                continue
+            if key not in fields:
+                why = " (the seed comes from the run: --seed)" if key == "seed" else ""
+                raise ValueError(f"{where}.{key}: unknown key{why}; allowed: {sorted(fields)}")
+            ok = _TYPES.get(fields[key])
+            if ok and (not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok)):
+                raise ValueError(f"{where}.{key}: expected {fields[key]}, got {value!r}")
 
 
 def _where(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the table at loc[:-1] takes (for an unknown key at loc)."""
+    model = Scenario
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        ann = field.annotation if field else None
+        sub = [a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not sub:
+            return []
+        model = sub[0]
+    return sorted(k for k, f in model.model_fields.items() if not f.exclude)
 
 
 def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
@@ -154,10 +194,28 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif err["type"] == "literal_error":
+            msg = f"unknown key; allowed: {_allowed_keys(err['loc'])}"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
             msg = f"{msg}, got {err.get('input')!r}"
-        raise ScenarioError(f"{source}: {_where(err['loc'])}: {msg}{more}") from None
+        where = f"{_where(err['loc'])}: " if err["loc"] else ""  # top-level checks name their key
+        raise ScenarioError(f"{source}: {where}{msg}{more}") from None
+    from faults import REGISTRY  # here, not at the top: faults imports the workload, which imports this
+
+    for i, f in enumerate(sc.faults):
+        allowed = REGISTRY[f.name].defaults
+        unknown = sorted(set(f.params) - set(allowed))
+        if unknown:
+            raise ScenarioError(f"{source}: faults.{i}.params.{unknown[0]}: unknown param of fault {f.name}; "
+                                f"allowed: {sorted(allowed)}")
+    if sc.workload.lengths_file:
+        from harness.workload import read_lengths
+
+        try:
+            read_lengths(sc.workload.lengths_file)
+        except ScenarioError as e:
+            raise ScenarioError(f"{source}: workload.lengths_file: {e}") from None
     sc.source = source
     return sc
 
@@ -175,6 +233,9 @@ def load_scenario(path: str | Path) -> Scenario:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{p}: not valid TOML: {e}") from None
+    lf = data.get("workload", {}).get("lengths_file") if isinstance(data.get("workload"), dict) else None
+    if isinstance(lf, str) and not Path(lf).is_absolute():  # relative to the scenario file, not the cwd
+        data["workload"]["lengths_file"] = str(p.parent / lf)
     return parse_scenario(data, str(p))
 
 

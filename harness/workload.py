@@ -53,27 +53,30 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        raise ScenarioError(f"workload.lengths_file: cannot read {path}: {e.strerror}") from None
+        raise ScenarioError(f"cannot read {path}: {e.strerror}") from None
     out = []
     if p.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     r = json.loads(line)
-                    out.append((int(r["prompt_len"]), int(r["output_len"])))
+                    out.append((n, int(r["prompt_len"]), int(r["output_len"])))
                 except (ValueError, KeyError, TypeError):
                     raise ScenarioError(f"{path}:{n}: expected {{\"prompt_len\": int, \"output_len\": int}}") from None
     else:
         for n, row in enumerate(csv.reader(text.splitlines()), 1):
-            if not row or (n == 1 and not row[0].strip().isdigit()):
+            if not row or (n == 1 and not row[0].strip().lstrip("+-").isdigit()):
                 continue  # blank line or header
             try:
-                out.append((int(row[0]), int(row[1])))
+                out.append((n, int(row[0]), int(row[1])))
             except (ValueError, IndexError):
                 raise ScenarioError(f"{path}:{n}: expected prompt_len,output_len") from None
-    if any(a < 1 or b < 1 for a, b in out):
-        raise ScenarioError(f"{path}: lengths must be >= 1")
-    return out
+    for n, a, b in out:
+        if a < 1 or b < 1:
+            raise ScenarioError(f"{path}:{n}: lengths must be >= 1, got prompt_len={a} output_len={b}")
+    if not out:
+        raise ScenarioError(f"{path}: no lengths in the file")
+    return [(a, b) for _, a, b in out]
 
 
 class Plan:
