@@ -76,12 +76,17 @@ def iter_history(path: str | Path) -> Iterator[dict]:
 
 
 # Fields that measure time or the machine: they vary run to run; everything else must not.
-UNSTABLE_KEYS = frozenset({"latency_s", "host_s", "cpu_s", "time", "wall_s", "telemetry", "commit", "device_name"})
+# Left out at any depth of an event's dicts (an engine event's data may carry the process id).
+UNSTABLE_KEYS = frozenset({"latency_s", "host_s", "cpu_s", "time", "wall_s", "telemetry", "commit", "device_name",
+                           "pid"})
+
+
+def _stable(d: dict) -> dict:
+    return {k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in UNSTABLE_KEYS}
 
 
 def _stable_line(event: dict) -> bytes:
-    stable = {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
-    return json.dumps(stable, separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps(_stable(event), separators=(",", ":"), sort_keys=True).encode()
 
 
 def deterministic_digest(events: list[dict]) -> str:
