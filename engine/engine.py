@@ -95,7 +95,11 @@ class Engine:
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int) -> None:
         """Queue a request. Raises InvalidRequest (malformed) or RequestRejected (429: can never fit);
         either way the engine is unchanged."""
-        prompt = list(prompt)
+        try:
+            prompt = list(prompt)
+        except TypeError:
+            raise InvalidRequest(f"request {request_id!r}: prompt must be a list of token ids, got "
+                                 f"{type(prompt).__name__}") from None
         self._validate(request_id, prompt, max_new_tokens)
         seq = Sequence(request_id, prompt, len(prompt), max_new_tokens, self.step_count)
         self.seqs[request_id] = seq
@@ -301,22 +305,32 @@ class Engine:
             tok += s.tokens[s.num_computed:s.num_computed + n]
             pos += range(s.num_computed, s.num_computed + n)
         dev = self.device
-        tokens = torch.tensor(tok, device=dev)
-        positions = torch.tensor(pos, device=dev)
-        nd = len(decode)
-        dec_lens = positions[:nd].to(torch.int32) + 1
-        nblk_dec = -(-(max(pos[:nd]) + 1) // bs) if nd else 0
-        dec_rows = torch.tensor([rows[s.id] for s in decode], device=dev)
+        nt, nd = len(tok), len(decode)
+        dec_pos = pos[:nd]
+        # Decode metadata in one host -> device copy. Entry (row, j) of the flat table is
+        # row * width + j: base is each decode row's entry 0, ent the entry holding the token's
+        # block, off the token's offset in that block.
+        bases = [rows[s.id] * width for s in decode]
+        ent = [b + p // bs for b, p in zip(bases, dec_pos)]
+        meta = torch.tensor(tok + pos + [p + 1 for p in dec_pos] + bases + ent + [p % bs for p in dec_pos],
+                            device=dev)
+        tokens, positions = meta[:nt], meta[nt:2 * nt]
+        dec_meta = meta[2 * nt:].view(4, nd)
+        dec_lens = dec_meta[0].to(torch.int32)
+        dec_ent, dec_off = dec_meta[2], dec_meta[3]
+        nblk_dec = -(-(max(dec_pos) + 1) // bs) if nd else 0
+        if nd:
+            dec_idx = dec_meta[1][:, None] + self._arange(nblk_dec)[None, :]  # [nd, nblk_dec] entries
+            hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
         metas = []
         for rank in self.ranks.ranks:
             flat = rank.table
             last = flat.numel() - 1
             slots, dec_tables, chunks = [], None, []
             if nd:  # flat addressing: an overlong row reads on into the next one, as a kernel would
-                idx = (dec_rows[:, None] * width + torch.arange(nblk_dec, device=dev)[None, :]).clamp_(max=last)
-                dec_tables = flat[idx]
-                p = positions[:nd]
-                slots.append(dec_tables.gather(1, (p // bs)[:, None])[:, 0].long() * bs + p % bs)
+                di, de = (dec_idx, dec_ent) if hi <= last else (dec_idx.clamp(max=last), dec_ent.clamp(max=last))
+                dec_tables = flat[di]
+                slots.append(torch.add(dec_off, flat[de], alpha=bs))  # block * bs + offset, int64
             off = nd
             for s, n in prefill:
                 start = s.num_computed
@@ -327,15 +341,22 @@ class Engine:
                 chunks.append((off, n, start, trow))
                 off += n
             metas.append((torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, chunks))
-        self._dec_lens = dec_lens
+        self._dec_lens, self._dec_max_len = dec_lens, (max(dec_pos) + 1 if nd else 0)
         return tokens, positions, metas
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """torch.arange(n) on the engine's device, cached (a view of a longer one)."""
+        ar = getattr(self, "_arange_cache", None)
+        if ar is None or ar.numel() < n:
+            ar = self._arange_cache = torch.arange(max(n, 2 * (0 if ar is None else ar.numel()), 64), device=self.device)
+        return ar[:n]
 
     def _attend(self, nd: int, metas):
         scale, decode_attention = self.model.scale, self.decode_attention
         hkv_r = self.kv_heads_per_rank
         h_r = hkv_r * (self.config.model.num_heads // self.config.model.num_kv_heads)
         pools, dec_lens = self.kv_pools, self._dec_lens
-        max_len = int(dec_lens.max()) if nd else 0
+        max_len = self._dec_max_len  # int(dec_lens.max()), known on the host
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
