@@ -73,7 +73,7 @@ def cmd_run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from harness.runner import resolve_device, run_scenario
+    from harness.runner import load_object, resolve_device, run_scenario
 
     console = Console()
     seeds = parse_seeds(args.seed, args.seeds)
@@ -81,6 +81,8 @@ def cmd_run(args) -> int:
     if not scs:
         raise KVChaosError("no scenario matches")
     device = resolve_device(args.device)
+    if args.block_manager:
+        load_object(args.block_manager)  # a bad --block-manager is bad input (exit 2), not an ERROR per run
     jobs = [(s, seed) for s in scs for seed in (seeds or s.scenario.seeds)]
     results = []
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -91,11 +93,15 @@ def cmd_run(args) -> int:
             r = run_scenario(sc, seed, device=device, report_dir=Path(args.report_dir),
                              block_manager_spec=args.block_manager, timeout_s=args.timeout)
             results.append(r)
+            if r.results.get("reason") == "interrupted":  # Ctrl-C: stop here, the run's record is on disk
+                break
             if r.verdict != PASS and not args.quiet:
                 progress.console.print(f"[red]{r.verdict}[/] {sc.name} seed {seed}: {r.summary}\n"
                                        f"  replay: {r.results['replay']}  run: {r.run_dir}")
             progress.advance(task)
     _print_table(console, results, args.quiet)
+    if results[-1].results.get("reason") == "interrupted":
+        raise KeyboardInterrupt
     return EXIT_CODES[worst([r.verdict for r in results])]
 
 

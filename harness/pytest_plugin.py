@@ -106,6 +106,8 @@ class ScenarioItem(pytest.Item):
         r = run_scenario(self.scenario, self.seed, device=device, report_dir=_report_dir(self.config),
                          block_manager_spec=self.config.getoption("--kvchaos-block-manager"))
         self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
+        if r.results.get("reason") == "interrupted":  # Ctrl-C stops the session, not just this run
+            raise KeyboardInterrupt
         if r.verdict != "PASS":
             raise ScenarioFailure(r)
 

@@ -236,6 +236,8 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
     if run_dir is not None and sc.source and Path(sc.source).exists():
         shutil.copyfile(sc.source, run_dir / "scenario.toml")
     history = History(run_dir / "history.jsonl" if run_dir else None, keep=True)
+    if block_manager is not None and not block_manager_spec:  # name it, for the history and the replay line
+        block_manager_spec = f"{block_manager.__module__}:{getattr(block_manager, '__qualname__', '?')}"
     t0 = time.perf_counter()
     error = None
     reason = "error"
@@ -278,7 +280,7 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
         "reason": reason, "error": error, "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": v.time_to_detect, "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks], "history_digest": history.digest(),
-        "metrics": _metrics(events), "replay": replay_command(sc, seed, device),
+        "metrics": _metrics(events), "replay": replay_command(sc, seed, device, block_manager_spec),
     }
     if run_dir is not None:
         (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -286,9 +288,10 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
     return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results)
 
 
-def replay_command(sc: Scenario, seed: int, device: str) -> str:
+def replay_command(sc: Scenario, seed: int, device: str, block_manager_spec: str | None = None) -> str:
     target = sc.source if sc.source else sc.name
-    return f"kvchaos run {target} --seed {seed} --device {device}"
+    bm = f" --block-manager {block_manager_spec}" if block_manager_spec else ""
+    return f"kvchaos run {target} --seed {seed} --device {device}{bm}"
 
 
 def _metrics(events: list[dict]) -> dict:

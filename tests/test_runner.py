@@ -1,0 +1,295 @@
+"""The runner: one seed gives one history, bit for bit; an engine exception or Ctrl-C becomes an
+ERROR with what was recorded kept; the run folder; running under a user's own BlockManager."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.engine import Engine
+from engine.protocols import BlockManagerProtocol
+from harness.checkers import run_checkers
+from harness.history import UNSTABLE_KEYS, deterministic_digest, read_history
+from harness.runner import run_scenario
+from harness.scenario import load_scenario, parse_scenario
+
+TINY_TOML = """
+[scenario]
+name = "tiny"
+seeds = [0]
+
+[engine]
+max_prefill_tokens = 32
+
+[engine.cache]
+block_size = 4
+num_blocks = 24
+max_blocks_per_seq = 8
+max_num_seqs = 4
+
+[workload]
+num_requests = 6
+arrival_rate = 1.5
+fork_groups = 1
+prompt_len = { dist = "uniform", min = 2, max = 12 }
+output_len = { dist = "uniform", min = 2, max = 8 }
+
+[workload.cancel]
+rate = 0.2
+phases = ["waiting", "decode", "shared"]
+
+[run]
+max_steps = 120
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny.toml"
+    p.write_text(TINY_TOML)
+    return load_scenario(p)
+
+
+def strip(ev):
+    return {k: strip(v) if isinstance(v, dict) else v for k, v in ev.items() if k not in UNSTABLE_KEYS}
+
+
+def stable_lines(path: Path) -> list[str]:
+    return [json.dumps(strip(json.loads(line)), sort_keys=True) for line in path.read_text().splitlines()]
+
+
+def results_of(r) -> dict:
+    return json.loads((r.run_dir / "results.json").read_text())
+
+
+def steps_in(run_dir: Path) -> list[int]:
+    return [e["step"] for e in read_history(run_dir / "history.jsonl") if e["e"] == "step"]
+
+
+# -- determinism -------------------------------------------------------------------------------
+def test_same_scenario_and_seed_give_the_same_history(tiny, tmp_path):
+    a = run_scenario(tiny, 3, report_dir=tmp_path / "a")
+    b = run_scenario(tiny, 3, report_dir=tmp_path / "b")
+    c = run_scenario(tiny, 4, report_dir=tmp_path / "c")
+    assert a.verdict == b.verdict == "PASS"
+    assert a.results["history_digest"] == b.results["history_digest"] != c.results["history_digest"]
+    la, lb = stable_lines(a.run_dir / "history.jsonl"), stable_lines(b.run_dir / "history.jsonl")
+    assert la == lb and len(la) > 30
+    assert any('"e": "cancel"' in x for x in la) and any('"e": "oracle"' in x for x in la)
+    # the digest is that of the stored history: a run on disk can be verified and re-checked
+    events = read_history(a.run_dir / "history.jsonl")
+    assert deterministic_digest(events) == a.results["history_digest"]
+    rechecked = json.loads(json.dumps([c.to_dict() for c in run_checkers(events)]))
+    assert rechecked == results_of(a)["checkers"]
+
+
+# -- the run breaks ----------------------------------------------------------------------------
+def _fail_before_step(monkeypatch, at: int, exc: BaseException):
+    real = Engine.step
+
+    def step(self):
+        if self.step_count + 1 == at:
+            raise exc
+        return real(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+
+
+def test_engine_exception_becomes_error_with_traceback_and_the_history_kept(tiny, tmp_path, monkeypatch):
+    _fail_before_step(monkeypatch, 5, RuntimeError("injected failure at step 5"))
+    r = run_scenario(tiny, 0, report_dir=tmp_path)
+    assert r.verdict == "ERROR" and "RuntimeError: injected failure at step 5" in r.summary
+    res = results_of(r)
+    assert res["verdict"] == "ERROR" and res["exit_code"] == 13 and res["reason"] == "error"
+    assert res["error"]["error"] == "RuntimeError"
+    assert "Traceback (most recent call last)" in res["error"]["traceback"]
+    assert "injected failure at step 5" in res["error"]["traceback"]
+    assert steps_in(r.run_dir) == [1, 2, 3, 4]
+    events = read_history(r.run_dir / "history.jsonl")
+    err = [e for e in events if e["e"] == "error"]
+    assert len(err) == 1 and "injected failure" in err[0]["traceback"]
+    assert events[-1]["e"] == "run_end" and events[-1]["reason"] == "error"
+
+
+def test_exception_inside_a_step_after_blocks_were_reserved(tiny, tmp_path, monkeypatch):
+    real, calls = Engine._upload_table, []
+
+    def upload(self):
+        calls.append(self.step_count)
+        if len(calls) == 5:
+            raise FloatingPointError("staging copy failed")
+        return real(self)
+
+    monkeypatch.setattr(Engine, "_upload_table", upload)
+    r = run_scenario(tiny, 0, report_dir=tmp_path)
+    res = results_of(r)
+    assert r.verdict == "ERROR" and res["error"]["error"] == "FloatingPointError"
+    events = read_history(r.run_dir / "history.jsonl")
+    failing = next(e["step"] for e in events if e["e"] == "error")
+    assert failing == calls[-1] >= 5
+    assert steps_in(r.run_dir) == list(range(1, failing))  # every step before the failing one, none after
+
+
+def test_ctrl_c_keeps_what_was_recorded(tiny, tmp_path, monkeypatch):
+    _fail_before_step(monkeypatch, 3, KeyboardInterrupt())
+    r = run_scenario(tiny, 0, report_dir=tmp_path)
+    res = results_of(r)
+    assert r.verdict == "ERROR" and res["reason"] == "interrupted"
+    assert steps_in(r.run_dir) == [1, 2]
+    assert read_history(r.run_dir / "history.jsonl")[-1]["reason"] == "interrupted"
+
+
+def test_timeout_is_an_error(tiny):
+    r = run_scenario(tiny, 0, report_dir=None, timeout_s=1e-9)
+    assert r.verdict == "ERROR" and "TimeoutError" in r.summary and "time limit" in r.summary
+
+
+@pytest.mark.parametrize("fault, message", [
+    ({"name": "refcount_leak", "defect": False, "params": {"paths": ["nope"]}},
+     "fault refcount_leak: unknown path 'nope'; allowed: ['waiting'"),
+    ({"name": "ordering_race", "defect": False}, "fault ordering_race needs engine.tp_size >= 2"),
+])
+def test_bad_fault_param_values_are_a_clear_error(tiny, fault, message):
+    data = {"scenario": {"name": "badparam"}, "faults": [fault], "workload": {"num_requests": 2}}
+    r = run_scenario(parse_scenario(data, "<t>"), 0, report_dir=None)
+    assert r.verdict == "ERROR" and message in r.summary
+
+
+def test_a_rank_whose_first_update_is_late_computes_on_an_empty_table_not_crashes():
+    # seed 6: the first request arrives at step 4, after the lag has started; rank 1 had no table yet
+    r = run_scenario(load_scenario("ordering-race-detect"), 6, report_dir=None)
+    assert r.verdict == "PASS", r.summary
+    assert r.results["time_to_detect_steps"]["ordering_race"] <= 2
+
+
+# -- the run folder ----------------------------------------------------------------------------
+def test_run_folder_contents(tiny, tmp_path):
+    r = run_scenario(tiny, 0, report_dir=tmp_path)
+    assert r.run_dir.parent == tmp_path and r.run_dir.name.endswith("-tiny-s0")
+    names = {p.name for p in r.run_dir.iterdir()}
+    assert {"scenario.toml", "history.jsonl", "results.json"} <= names
+    assert (r.run_dir / "scenario.toml").read_text() == TINY_TOML
+    res = results_of(r)
+    for key in ("verdict", "seed", "commit", "config_hash", "checkers", "time_to_detect_steps", "metrics",
+                "history_digest", "replay", "fault_verify", "expectation", "steps", "wall_s"):
+        assert key in res, key
+    assert res["seed"] == 0 and res["scenario"] == "tiny" and res["exit_code"] == 0
+    events = read_history(r.run_dir / "history.jsonl")
+    start = next(e for e in events if e["e"] == "run_start")
+    assert start["seed"] == 0 and start["config_hash"] == res["config_hash"] and start["plan"]
+    assert start["block_manager"] == "engine.block_manager:BlockManager"
+    assert events[-1]["e"] == "run_end" and events[-1]["reason"] == "done"
+    assert res["steps"] == len([e for e in events if e["e"] == "step"]) == res["metrics"]["steps"]
+    assert res["replay"] == f"kvchaos run {tiny.source} --seed 0 --device cpu"
+    again = run_scenario(tiny, 0, report_dir=tmp_path)
+    assert again.run_dir != r.run_dir  # same second, same name: its own folder
+
+
+def test_no_report_dir_writes_nothing(tiny, tmp_path, monkeypatch):
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    r = run_scenario(tiny, 0, report_dir=None)
+    assert r.run_dir is None and r.verdict == "PASS" and r.results["history_digest"]
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
+# -- a user's own BlockManager -----------------------------------------------------------------
+class ProtocolOnlyBM:
+    """A user's block manager that offers only engine.protocols.BlockManagerProtocol (no fast decode
+    path, no `rows`), here by wrapping the reference one."""
+
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq):
+        self._bm = BlockManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
+        self.block_size = block_size
+        self.calls = 0
+
+    @property
+    def table(self):
+        return self._bm.table
+
+    @property
+    def num_blocks(self):
+        return self._bm.num_blocks
+
+    @property
+    def num_free_blocks(self):
+        return self._bm.num_free_blocks
+
+    @property
+    def num_free_rows(self):
+        return self._bm.num_free_rows
+
+    def blocks_needed(self, seq_id, n):
+        return self._bm.blocks_needed(seq_id, n)
+
+    def append(self, seq_id, n):
+        self.calls += 1
+        return self._bm.append(seq_id, n)
+
+    def fork(self, parent_id, child_id):
+        self._bm.fork(parent_id, child_id)
+
+    def free(self, seq_id):
+        return self._bm.free(seq_id)
+
+    def resize_table(self, rows=None, width=None):
+        self._bm.resize_table(rows, width)
+
+    def snapshot(self):
+        return self._bm.snapshot()
+
+
+class LeakyBM(BlockManager):
+    """A user's block manager with the classic bug: free() returns early, releasing nothing, when the
+    sequence still shares a block with another one (a fork or a shared prefix) - so cancelling or
+    finishing a forked request leaks its references."""
+
+    def free(self, seq_id):
+        blocks = self.blocks.get(seq_id)
+        if blocks and any(self.pool.ref[b] > 1 for b in blocks):
+            return True
+        return super().free(seq_id)
+
+
+def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
+    assert isinstance(ProtocolOnlyBM(8, 4, 2, 4), BlockManagerProtocol)
+    ref = run_scenario(tiny, 1, report_dir=tmp_path / "ref")
+    own = run_scenario(tiny, 1, report_dir=tmp_path / "own", block_manager=ProtocolOnlyBM)
+    assert own.verdict == ref.verdict == "PASS"
+    ev_ref, ev_own = (read_history(r.run_dir / "history.jsonl") for r in (ref, own))
+    start = next(e for e in ev_own if e["e"] == "run_start")
+    assert start["block_manager"] == f"{__name__}:ProtocolOnlyBM"
+    assert own.results["replay"].endswith(f"--block-manager {__name__}:ProtocolOnlyBM")
+    # same decisions, block for block: everything but the run_start line is identical
+    assert ([strip(e) for e in ev_own if e["e"] != "run_start"] == [strip(e) for e in ev_ref if e["e"] != "run_start"])
+
+
+def test_block_manager_by_spec_string(tiny):
+    r = run_scenario(tiny, 0, report_dir=None, block_manager_spec=f"{__name__}:ProtocolOnlyBM")
+    assert r.verdict == "PASS"
+    bad = run_scenario(tiny, 0, report_dir=None, block_manager_spec="nosuch_module_xyz:BM")
+    assert bad.verdict == "ERROR" and "cannot import nosuch_module_xyz" in bad.summary
+
+
+def test_a_leaky_user_block_manager_is_a_false_alarm_blamed_on_it(tmp_path):
+    sc = load_scenario("refcount-leak-clean")  # cancels while sharing, a storm; the reference engine holds
+    assert run_scenario(sc, 0, report_dir=None).verdict == "PASS"
+    r = run_scenario(sc, 0, report_dir=tmp_path, block_manager=LeakyBM)
+    assert r.verdict == "FALSE_ALARM", r.summary
+    assert "block_accounting" in r.summary
+    leaks = [f for f in r.findings if f.checker == "block_accounting" and f.kind == "leak"]
+    assert leaks and all(f.manifest is False for f in leaks)
+    start = next(e for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "run_start")
+    assert start["block_manager"] == f"{__name__}:LeakyBM"  # what the report blames
+    assert f"--block-manager {__name__}:LeakyBM" in r.results["replay"]
+
+
+def test_the_report_suspects_the_user_block_manager(tmp_path):
+    pytest.importorskip("harness.report")
+    r = run_scenario(load_scenario("refcount-leak-clean"), 0, report_dir=tmp_path, block_manager=LeakyBM)
+    incidents = results_of(r).get("incidents")
+    assert incidents, "the run folder has no incidents"
+    root = incidents[0]["root_cause"]
+    assert root["status"] == "suspected" and "LeakyBM" in root["text"]
