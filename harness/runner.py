@@ -147,11 +147,11 @@ class _Run:
                 seq = e.seqs.get(a.req)
                 if seq is None or seq.done:
                     return True
-                phase = self._phase(a.req)
+                phase, before = self._phase(a.req), seq.phase  # before the cancel makes it "cancelled"
                 snap = e.bm.snapshot()
                 blocks = snap.seq_blocks.get(a.req, [])
                 e.cancel(a.req)
-                self.h.append({"e": "cancel", "step": step, "req": a.req, "phase": seq.phase if phase == "shared"
+                self.h.append({"e": "cancel", "step": step, "req": a.req, "phase": before if phase == "shared"
                                else phase, "shared": phase == "shared", "blocks": blocks, "origin": a.origin})
                 self._oracle(a.req, step)
         except (InvalidRequest, RequestRejected) as err:

@@ -3,6 +3,7 @@ what is allowed."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Literal
@@ -243,9 +244,14 @@ def is_scenario_file(path: Path) -> bool:
     if path.suffix != ".toml":
         return False
     try:
-        return "scenario" in tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError):
-        return path.parent.name == "scenarios"  # a broken file where scenarios live: report it
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return path.parent.name == "scenarios"
+    try:
+        return "scenario" in tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        # a broken file where scenarios live, or one with a [scenario] table: report it, never skip it
+        return path.parent.name == "scenarios" or re.search(r"(?m)^\s*\[\s*scenario\s*\]", text) is not None
 
 
 def builtin_scenarios() -> list[Scenario]:

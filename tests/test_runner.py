@@ -164,6 +164,16 @@ def test_a_rank_whose_first_update_is_late_computes_on_an_empty_table_not_crashe
     assert r.results["time_to_detect_steps"]["ordering_race"] <= 2
 
 
+def test_cancel_events_record_the_phase_the_request_was_in(tmp_path):
+    """A cancel while sharing blocks is recorded with the phase it interrupted (and shared=True), not
+    the state the cancel left it in."""
+    r = run_scenario(load_scenario("baseline-clean"), 0, report_dir=tmp_path)
+    cancels = [e for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "cancel"]
+    assert {e["phase"] for e in cancels} <= {"waiting", "prefill", "decode", "preempted"}
+    shared = [e for e in cancels if e["shared"]]
+    assert shared and all(e["phase"] == "decode" and e["blocks"] for e in shared)
+
+
 # -- the run folder ----------------------------------------------------------------------------
 def test_run_folder_contents(tiny, tmp_path):
     r = run_scenario(tiny, 0, report_dir=tmp_path)
