@@ -69,6 +69,10 @@ class ScenarioFile(pytest.File):
         except ScenarioError as e:
             raise self.CollectError(str(e)) from None
         seeds = parse_seeds(None, self.config.getoption("--kvchaos-seeds")) or sc.scenario.seeds
+        known = {line.split(":")[0].split("(")[0].strip() for line in self.config.getini("markers")}
+        for m in sc.markers:  # a scenario's own tags are declared markers (so --strict-markers holds)
+            if m not in known:
+                self.config.addinivalue_line("markers", f"{m}: tag of kvchaos scenario {sc.name}")
         for seed in seeds:
             item = ScenarioItem.from_parent(self, name=f"{sc.name}[seed={seed}]", scenario=sc, seed=seed)
             for m in sc.markers:

@@ -96,6 +96,11 @@ def test_marker_expression_selects(suite):
     assert collected(suite, "my_scenarios", "-m", "scenario and not fault_refcount_leak") == ["clean[seed=1]"]
 
 
+def test_scenario_tags_are_declared_markers_under_strict_markers(suite):
+    assert collected(suite, "my_scenarios", "--strict-markers", "-W", "error::pytest.PytestUnknownMarkWarning",
+                     "-m", "nightly") == ["leak[seed=0]", "leak[seed=1]"]
+
+
 @pytest.mark.parametrize("seeds, expected", [("2", ["leak[seed=0]", "leak[seed=1]"]),
                                              ("3,7", ["leak[seed=3]", "leak[seed=7]"])])
 def test_kvchaos_seeds(suite, seeds, expected):
