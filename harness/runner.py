@@ -23,6 +23,7 @@ from harness.checkers import run_checkers
 from harness.history import History
 from harness.oracle import Oracle
 from harness.scenario import Scenario
+from harness.telemetry import Telemetry
 from harness.verdict import decide
 from harness.workload import build_plan
 
@@ -99,6 +100,7 @@ class _Run:
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.token_steps: dict[str, list[int]] = {}
         self.oracle_results: list[dict] = []
+        self.telemetry = Telemetry.from_env(device)
         e = self.engine
         e.seams.on_event = lambda kind, data: self.h.append({"e": "engine", "step": e.step_count, "kind": kind,
                                                              "data": data})
@@ -191,7 +193,8 @@ class _Run:
                       "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens,
                       "preempted": st.preempted, "tokens": out.tokens, "finished": out.finished,
                       "table_version": st.table_version, "stale_ranks": st.stale_ranks,
-                      "rank_crcs": st.rank_table_crcs, "table_crc": st.table_crc})
+                      "rank_crcs": st.rank_table_crcs, "table_crc": st.table_crc,
+                      **self.telemetry.step_fields(st.step)})
             for req, row in out.logits.items():
                 self.logits.setdefault(req, []).append(row)
                 self.token_steps.setdefault(req, []).append(st.step)
@@ -212,7 +215,8 @@ class _Run:
             self._oracle(req, self.engine.step_count)
         verify = {f.name: f.verify() if f.defect else {"planted": False, **f.verify()} for f in self.faults}
         self.h.append({"e": "run_end", "step": self.engine.step_count, "reason": reason,
-                       "counters": dict(self.engine.counters), "fault_verify": verify})
+                       "counters": dict(self.engine.counters), "fault_verify": verify,
+                       "telemetry": self.telemetry.summary()})
         return verify
 
 
@@ -251,6 +255,7 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
                         "config_hash": cfg.config_hash(), "commit": git_commit(), "device": device,
                         "time": dt.datetime.now().isoformat(timespec="seconds"),
                         "block_manager": block_manager_spec or "engine.block_manager:BlockManager",
+                        "telemetry": run.telemetry.status(),
                         "plan": [a.to_dict() for a in run.plan.actions]})
         reason = run.run(time.monotonic() + timeout_s if timeout_s else None)
     except KeyboardInterrupt:
