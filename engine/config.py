@@ -12,6 +12,7 @@ from engine.errors import ConfigError
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OVERFLOW_POLICIES = ("reject", "resize")
 BACKENDS = ("auto", "torch", "triton")
+TP_MODES = ("simulated", "distributed")
 
 
 def _require(ok: bool, where: str, msg: str) -> None:
@@ -97,12 +98,14 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     max_prefill_tokens: int = 256  # per-step prefill budget: longer prompts prefill in chunks
-    tp_size: int = 1  # simulated tensor-parallel ranks, each holding its own copy of the block table
+    tp_size: int = 1  # tensor-parallel ranks, each holding its own copy of the block table
+    tp_mode: str = "simulated"  # ranks in this process (engine.ranks), or real processes (engine.distributed)
 
     def __post_init__(self) -> None:
         _require(self.attention_backend in BACKENDS, "engine.attention_backend",
                  f"must be one of {list(BACKENDS)}, got {self.attention_backend!r}")
         _require(self.max_prefill_tokens > 0, "engine.max_prefill_tokens", "must be > 0")
+        _require(self.tp_mode in TP_MODES, "engine.tp_mode", f"must be one of {list(TP_MODES)}, got {self.tp_mode!r}")
         _require(self.tp_size > 0 and self.model.num_kv_heads % self.tp_size == 0, "engine.tp_size",
                  f"must divide num_kv_heads ({self.model.num_kv_heads}), got {self.tp_size}")
         try:
