@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -73,8 +74,11 @@ def cmd_run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from engine.distributed import Cluster, external_launch, serve
     from harness.runner import load_object, resolve_device, run_scenario
 
+    if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
+        return serve()  # under torchrun, ranks > 0 serve rank 0's runs
     console = Console()
     seeds = parse_seeds(args.seed, args.seeds)
     scs = select_scenarios(args.scenarios, args.tag)
@@ -86,12 +90,13 @@ def cmd_run(args) -> int:
     jobs = [(s, seed) for s in scs for seed in (seeds or s.scenario.seeds)]
     results = []
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=args.quiet) as progress:
+                  console=console, transient=True, disable=args.quiet) as progress, Cluster() as cluster:
         task = progress.add_task("running", total=len(jobs))
         for sc, seed in jobs:
             progress.update(task, description=f"{sc.name} seed {seed}")
             r = run_scenario(sc, seed, device=device, report_dir=Path(args.report_dir),
-                             block_manager_spec=args.block_manager, timeout_s=args.timeout)
+                             block_manager_spec=args.block_manager, timeout_s=args.timeout, tp_mode=args.tp_mode,
+                             world_size=args.world_size, cluster=cluster)
             results.append(r)
             if r.results.get("reason") == "interrupted":  # Ctrl-C: stop here, the run's record is on disk
                 break
@@ -159,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)")
     run.add_argument("--tag", action="append", help="only scenarios with this tag or marker (repeatable)")
     run.add_argument("--timeout", type=float, default=None, metavar="S", help="per-run time limit in seconds")
+    run.add_argument("--tp-mode", choices=["simulated", "distributed"],
+                     help="tensor-parallel ranks in this process, or real torch.distributed processes (gloo on the "
+                          "CPU, NCCL on GPUs; or launch under torchrun) (default: the scenario's engine.tp_mode)")
+    run.add_argument("--world-size", type=int, metavar="N", help="tensor-parallel ranks (overrides engine.tp_size)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, only the table")
     run.set_defaults(func=cmd_run)
 

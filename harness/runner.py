@@ -10,11 +10,12 @@ import shutil
 import subprocess
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from engine.distributed import DistEngine
 from engine.engine import Engine
 from engine.errors import InvalidRequest, RequestRejected
 from engine.sequence import State
@@ -82,13 +83,14 @@ class RunResult:
 class _Run:
     """One run's live state: engine, faults, pending actions, logits awaiting the oracle."""
 
-    def __init__(self, sc: Scenario, seed: int, device: str, history: History, block_manager=None) -> None:
+    def __init__(self, sc: Scenario, seed: int, device: str, history: History, block_manager=None,
+                 tp: dict | None = None, cluster=None) -> None:
         self.sc, self.seed, self.h = sc, seed, history
-        self.cfg = sc.engine_config(device=device, seed=seed)
+        self.cfg = replace(sc.engine_config(device=device, seed=seed), **(tp or {}))
         cc = self.cfg.cache
         bm = block_manager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq) \
             if block_manager is not None else None
-        self.engine = Engine(self.cfg, bm)
+        self.engine = Engine(self.cfg, bm) if self.cfg.tp_mode == "simulated" else DistEngine(self.cfg, bm, cluster)
         self.oracle = Oracle(self.engine.model)
         self.faults = [make_fault(f.name, f.defect, f.params, seed) for f in sc.faults]
         self.plan = build_plan(sc.workload, self.cfg.model.vocab_size, seed)
@@ -233,8 +235,11 @@ def new_run_dir(report_dir: Path, name: str, seed: int) -> Path:
 
 def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir: Path | str | None = DEFAULT_REPORT_DIR,
                  block_manager=None, block_manager_spec: str | None = None, timeout_s: float | None = None,
-                 keep_events: bool = True) -> RunResult:
-    """Run one scenario with one seed. report_dir=None keeps nothing on disk."""
+                 keep_events: bool = True, tp_mode: str | None = None, world_size: int | None = None,
+                 cluster=None) -> RunResult:
+    """Run one scenario with one seed. report_dir=None keeps nothing on disk. tp_mode / world_size
+    override the scenario's engine.tp_mode / tp_size; cluster: an engine.distributed.Cluster to reuse."""
+    tp = {k: v for k, v in (("tp_mode", tp_mode), ("tp_size", world_size)) if v is not None}
     device = resolve_device(device)
     run_dir = new_run_dir(Path(report_dir), sc.name, seed) if report_dir is not None else None
     if run_dir is not None and sc.source and Path(sc.source).exists():
@@ -249,7 +254,7 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
     try:
         if block_manager is None and block_manager_spec:
             block_manager = load_object(block_manager_spec)
-        run = _Run(sc, seed, device, history, block_manager)
+        run = _Run(sc, seed, device, history, block_manager, tp, cluster)
         cfg = run.cfg
         history.append({"e": "run_start", "step": 0, "scenario": sc.name, "seed": seed, "config": cfg.to_dict(),
                         "config_hash": cfg.config_hash(), "commit": git_commit(), "device": device,
@@ -273,11 +278,15 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
             history.append({"e": "error", "step": run.engine.step_count, "error": type(ex).__name__,
                             "message": str(ex), "traceback": traceback.format_exc()})
             error = error or {"error": type(ex).__name__, "message": str(ex)}
+        try:
+            run.engine.close()  # with real ranks: ends the run on them, or names the rank that failed
+        except Exception as ex:
+            history.append({"e": "error", "step": run.engine.step_count, "error": type(ex).__name__,
+                            "message": str(ex), "traceback": traceback.format_exc()})
+            error = error or {"error": type(ex).__name__, "message": str(ex)}
     history.close()
     events = history.events
-    checks = run_checkers(events, {"latency": {"slo_ratio": sc.run.latency_slo_ratio, "signal": sc.run.latency_signal},
-                                   "liveness": {"bound_steps": sc.run.liveness_bound_steps}})
-    v = decide(sc, checks, verify, error)
+    checks, v = evaluate(sc, events, verify, error)
     results = {
         "scenario": sc.name, "seed": seed, "verdict": v.verdict, "summary": v.summary, "exit_code": v.exit_code,
         "commit": git_commit(), "config_hash": run.cfg.config_hash() if run else None, "device": device,
@@ -285,18 +294,36 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
         "reason": reason, "error": error, "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": v.time_to_detect, "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks], "history_digest": history.digest(),
-        "metrics": _metrics(events), "replay": replay_command(sc, seed, device, block_manager_spec),
+        "metrics": _metrics(events), "replay": replay_command(sc, seed, device, block_manager_spec, tp),
     }
     if run_dir is not None:
         (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        try:
+            from harness.report import update_index, write_reports
+            write_reports(run_dir, results, events)
+            update_index(run_dir.parent, newest=run_dir)
+        except Exception as ex:  # a broken report must never cost the run its history and results
+            results["report_error"] = f"{type(ex).__name__}: {ex}"
+            (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     findings = [f for c in checks for f in c.findings]
     return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results)
 
 
-def replay_command(sc: Scenario, seed: int, device: str, block_manager_spec: str | None = None) -> str:
+def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None):
+    """Checkers + verdict from a history: how a run ends, and what `kvchaos analyze` recomputes."""
+    checks = run_checkers(events, {"latency": {"slo_ratio": sc.run.latency_slo_ratio, "signal": sc.run.latency_signal},
+                                   "liveness": {"bound_steps": sc.run.liveness_bound_steps}})
+    return checks, decide(sc, checks, verify, error)
+
+
+def replay_command(sc: Scenario, seed: int, device: str, block_manager_spec: str | None = None,
+                   tp: dict | None = None) -> str:
     target = sc.source if sc.source else sc.name
     bm = f" --block-manager {block_manager_spec}" if block_manager_spec else ""
-    return f"kvchaos run {target} --seed {seed} --device {device}{bm}"
+    tp = tp or {}
+    tp_flags = (f" --tp-mode {tp['tp_mode']}" if "tp_mode" in tp else "") + \
+        (f" --world-size {tp['tp_size']}" if "tp_size" in tp else "")
+    return f"kvchaos run {target} --seed {seed} --device {device}{bm}{tp_flags}"
 
 
 def _metrics(events: list[dict]) -> dict:
