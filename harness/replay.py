@@ -1,0 +1,146 @@
+"""Replay: re-run a stored run with its scenario, seed and device, and compare the history.
+
+  kvchaos replay reports/20250101-120000-table-overflow-detect-s0
+
+The scenario comes from RUN_DIR/scenario.toml (or scenario.json, as soak runs also store it), the
+seed and device from RUN_DIR/results.json. The new history's digest (its deterministic part: see
+UNSTABLE_KEYS in harness/history.py) is compared with the recorded one and, when
+RUN_DIR/history.jsonl is there, event by event, naming the first event that differs. On the CPU a
+replay must be identical.
+
+Exit codes: 0 identical, 1 different, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from harness.history import UNSTABLE_KEYS, _stable_line, iter_history
+
+EXIT_DIFFERENT = 1
+
+
+def load_run(run_dir: str | Path):
+    """(Scenario, scenario dict, results) of a stored run; one clear error for a folder that is not one."""
+    from harness.scenario import ScenarioError, load_scenario, parse_scenario, tomllib
+
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise ValueError(f"{run_dir}: no such run folder")
+    try:
+        results = json.loads((d / "results.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{run_dir}: no results.json: not a kvchaos run folder") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{d / 'results.json'}: not valid JSON: {e}") from None
+    for key in ("seed", "device"):
+        if key not in results:
+            raise ValueError(f"{d / 'results.json'}: no {key!r}: not a kvchaos run's results")
+    toml_path, json_path = d / "scenario.toml", d / "scenario.json"
+    if toml_path.exists():
+        sc = load_scenario(toml_path)
+        data = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+    elif json_path.exists():
+        try:
+            data = json.loads(json_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ScenarioError(f"{json_path}: not valid JSON: {e}") from None
+        sc = parse_scenario(data, str(json_path))
+    else:
+        raise ValueError(f"{run_dir}: neither scenario.toml nor scenario.json: the run cannot be replayed "
+                         f"(runs of a scenario built in code keep no scenario file)")
+    return sc, data, results
+
+
+def _stable(event: dict) -> dict:
+    return {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
+
+
+def first_difference(recorded: Path, replayed: Path) -> dict | None:
+    """The first event whose deterministic part differs (or that one history lacks), else None.
+    Both histories are streamed: a long run is never held in memory."""
+    missing = object()
+    pairs = itertools.zip_longest(iter_history(recorded), iter_history(replayed), fillvalue=missing)
+    for i, (a, b) in enumerate(pairs):
+        if a is missing or b is missing:
+            there = b if a is missing else a
+            return {"index": i, "step": there.get("step"), "event": there.get("e"),
+                    "detail": f"only the {'replayed' if a is missing else 'recorded'} history has event {i}"}
+        if _stable_line(a) != _stable_line(b):
+            sa, sb = _stable(a), _stable(b)
+            keys = sorted(k for k in sa.keys() | sb.keys() if sa.get(k, missing) != sb.get(k, missing))
+            return {"index": i, "step": a.get("step"), "event": a.get("e"), "keys": keys,
+                    "recorded": {k: sa.get(k) for k in keys}, "replayed": {k: sb.get(k) for k in keys}}
+    return None
+
+
+def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | None = None) -> dict:
+    """Re-run RUN_DIR; {"identical", "recorded_digest", "replay_digest", "first_difference", ...}."""
+    from harness.runner import run_scenario
+
+    sc, _, results = load_run(run_dir)
+    device = device or results["device"]
+    stored = Path(run_dir) / "history.jsonl"
+    plots = os.environ.get("KVCHAOS_PLOTS")
+    os.environ["KVCHAOS_PLOTS"] = "none"  # the replay's folder is thrown away: no figures for it
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvchaos-replay-") as tmp:
+            r = run_scenario(sc, results["seed"], device, tmp, timeout_s=timeout_s)
+            new = r.results["history_digest"]
+            diff = first_difference(stored, r.run_dir / "history.jsonl") if stored.exists() else None
+    finally:
+        os.environ.pop("KVCHAOS_PLOTS") if plots is None else os.environ.__setitem__("KVCHAOS_PLOTS", plots)
+    recorded = results.get("history_digest")
+    return {"identical": recorded == new and diff is None, "recorded_digest": recorded, "replay_digest": new,
+            "first_difference": diff, "history_compared": stored.exists(), "seed": results["seed"],
+            "device": device, "scenario": sc.name, "recorded_verdict": results.get("verdict"),
+            "replay_verdict": r.verdict}
+
+
+def describe(out: dict) -> str:
+    head = f"{out['scenario']} seed {out['seed']} on {out['device']}"
+    if out["identical"]:
+        how = "digest and every event" if out["history_compared"] else "digest only: no stored history.jsonl"
+        return f"identical: {head}: history {out['replay_digest'][:16]} ({how}); verdict {out['replay_verdict']}"
+    lines = [f"DIFFERENT: {head}"]
+    if out["recorded_digest"] is None:
+        lines.append(f"  the recorded run has no history digest (it was killed: verdict {out['recorded_verdict']}); "
+                     f"the replay finished with {out['replay_verdict']}")
+    else:
+        lines.append(f"  history digest: recorded {out['recorded_digest'][:16]}, replayed {out['replay_digest'][:16]}")
+    lines.append(f"  verdict: recorded {out['recorded_verdict']}, replayed {out['replay_verdict']}")
+    d = out["first_difference"]
+    if d is not None:
+        lines.append(f"  first differing event: #{d['index']} ({d['event']} at step {d['step']})")
+        if "detail" in d:
+            lines.append(f"    {d['detail']}")
+        for k in d.get("keys", []):
+            lines.append(f"    {k}: recorded {_short(d['recorded'][k])} -> replayed {_short(d['replayed'][k])}")
+    elif out["recorded_digest"] is not None and out["history_compared"]:
+        lines.append("  every stored event matches the replay: the recorded digest does not match its own history")
+    elif not out["history_compared"]:
+        lines.append("  no stored history.jsonl: the first differing event cannot be named")
+    return "\n".join(lines)
+
+
+def _short(v, n: int = 160) -> str:
+    s = json.dumps(v, default=str)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds results.json and scenario.toml/.json)")
+    p.add_argument("--device", default=None, help="replay on this device instead of the recorded one")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="time limit for the replay")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+
+def main(args) -> int:
+    out = replay(args.run_dir, args.device, args.timeout)
+    print(json.dumps(out, indent=1, default=str) if args.json else describe(out))
+    return 0 if out["identical"] else EXIT_DIFFERENT
