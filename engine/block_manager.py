@@ -6,6 +6,8 @@ Invariants (checked by tests/test_block_manager_stateful.py after every operatio
   I2  ref[b] == number of sequences whose block list holds b
   I3  b in free  <=>  ref[b] == 0   (so no free block is referenced)
   I4  each sequence's table row == its block list, padded with -1
+and, kept by BlockPool.incref/decref alone:
+  I5  pool.shared == #{b : ref[b] > 1}   (none shared: decode skips the copy-on-write check)
 """
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ from engine.protocols import Snapshot
 class BlockPool:
     """Free stack plus ref counts. allocate/incref/decref are O(1), whatever the pool size."""
 
-    __slots__ = ("num_blocks", "free", "ref")
+    __slots__ = ("num_blocks", "free", "ref", "shared")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.ref = [0] * num_blocks
+        self.shared = 0  # blocks with ref > 1 (I5)
 
     def allocate(self) -> int:
         if not self.free:
@@ -35,9 +38,12 @@ class BlockPool:
         return b
 
     def incref(self, b: int) -> None:
-        if self.ref[b] <= 0:
+        r = self.ref[b]
+        if r <= 0:
             raise ValueError(f"incref of free block {b}")
-        self.ref[b] += 1
+        self.ref[b] = r + 1
+        if r == 1:
+            self.shared += 1
 
     def decref(self, b: int) -> None:
         r = self.ref[b]
@@ -46,6 +52,8 @@ class BlockPool:
         self.ref[b] = r - 1
         if r == 1:
             self.free.append(b)
+        elif r == 2:
+            self.shared -= 1
 
 
 class BlockManager:
@@ -140,14 +148,15 @@ class BlockManager:
         bs, nt, blocks, rows = self.block_size, self.num_tokens, self.blocks, self.rows
         host, w = table.host, table.width
         copies: list[tuple[int, int]] = []
+        cow = pool.shared > 0  # else no block is shared, so no partial last block needs copy-on-write
         for s in seq_ids:
             n = nt[s]
-            bl = blocks[s]
             if n % bs:
-                if ref[bl[-1]] != 1:  # shared partial block: copy-on-write, the slow path
+                if cow and ref[blocks[s][-1]] != 1:  # shared partial block: copy-on-write, the slow path
                     copies += self.append(s, 1)
                     continue
             else:
+                bl = blocks[s]
                 i = len(bl)
                 b = free.pop()
                 ref[b] = 1

@@ -314,13 +314,12 @@ class Engine:
         ent = [b + p // bs for b, p in zip(bases, dec_pos)]
         meta = torch.tensor(tok + pos + [p + 1 for p in dec_pos] + bases + ent + [p % bs for p in dec_pos],
                             device=dev)
-        tokens, positions = meta[:nt], meta[nt:2 * nt]
-        dec_meta = meta[2 * nt:].view(4, nd)
-        dec_lens = dec_meta[0].to(torch.int32)
-        dec_ent, dec_off = dec_meta[2], dec_meta[3]
+        tokens, positions, dec_meta = meta.split((nt, nt, 4 * nd))
+        dec_lens, dec_base, dec_ent, dec_off = dec_meta.view(4, nd)
+        dec_lens = dec_lens.to(torch.int32)
         nblk_dec = -(-(max(dec_pos) + 1) // bs) if nd else 0
         if nd:
-            dec_idx = dec_meta[1][:, None] + self._arange(nblk_dec)[None, :]  # [nd, nblk_dec] entries
+            dec_idx = dec_base[:, None] + self._arange(nblk_dec)  # [nd, nblk_dec] entries
             hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
         metas = []
         for rank in self.ranks.ranks:
@@ -348,7 +347,7 @@ class Engine:
         """torch.arange(n) on the engine's device, cached (a view of a longer one)."""
         ar = getattr(self, "_arange_cache", None)
         if ar is None or ar.numel() < n:
-            ar = self._arange_cache = torch.arange(max(n, 2 * (0 if ar is None else ar.numel()), 64), device=self.device)
+            ar = self._arange_cache = torch.arange(max(2 * n, 64), device=self.device)
         return ar[:n]
 
     def _attend(self, nd: int, metas):
