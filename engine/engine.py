@@ -278,6 +278,7 @@ class Engine:
             self.counters["staging_reallocs"] += 1
             self.seams.on_event("staging_realloc", {"pid": os.getpid()})
         staged = self.staging.stage(host)
+        self.seams.on_upload()
         self.table_version += 1
         self.ranks.publish(staged, self.table_version, self.step_count, self.seams.rank_delay)
         self.ranks.deliver(self.step_count)

@@ -21,6 +21,10 @@ def _ignore(kind: str, data: dict) -> None:
     return None
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass
 class Seams:
     # Reject (or, by policy, make room for) a request that can never fit a table row.
@@ -35,3 +39,5 @@ class Seams:
     free_on_exit: Callable[[object, str], bool] = _always_free
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
     on_event: Callable[[str, dict], None] = field(default=_ignore)
+    # Called once a step's table is uploaded, before any rank computes: the table the kernels read.
+    on_upload: Callable[[], None] = field(default=_nothing)

@@ -484,9 +484,39 @@ def bench_paged_vs_contiguous(device: str, steps: int, warmup: int, batch: int =
 
 # -- the whole bench ---------------------------------------------------------------------------
 FULL = dict(pool_n=200_000, pool_repeats=15, scale_n=100_000, scale_repeats=11, build_repeats=7,
-            decode_steps=1_000, decode_repeats=15, b1_steps=1_000, b1_warmup=30, b8_steps=400, b8_warmup=10)
+            decode_steps=1_000, decode_repeats=15, b1_steps=1_000, b1_warmup=30, b8_steps=400, b8_warmup=10,
+            overhead_repeats=3, overhead_scenarios=None)
 QUICK = dict(pool_n=5_000, pool_repeats=3, scale_n=2_000, scale_repeats=3, build_repeats=1,
-             decode_steps=40, decode_repeats=3, b1_steps=10, b1_warmup=2, b8_steps=6, b8_warmup=2)
+             decode_steps=40, decode_repeats=3, b1_steps=10, b1_warmup=2, b8_steps=6, b8_warmup=2,
+             overhead_repeats=1, overhead_scenarios=["table-overflow-detect"])
+
+
+def bench_harness_overhead(repeats: int, names: list[str] | None = None, device: str = "cpu") -> dict[str, float]:
+    """The built-in suite (seed 0) under the full harness (history on disk, snapshots, oracle,
+    checkers, verdict, reports) vs the engine alone driven by the same workload and faults."""
+    import tempfile
+
+    from harness.history import History
+    from harness.runner import _Run, run_scenario
+    from harness.scenario import builtin_scenarios
+
+    scs = [s for s in builtin_scenarios() if names is None or s.name in names]
+    with tempfile.TemporaryDirectory() as tmp:
+        def harness() -> float:
+            t = perf()
+            for sc in scs:
+                run_scenario(sc, 0, device=device, report_dir=tmp)
+            return perf() - t
+
+        def alone() -> float:
+            t = perf()
+            for sc in scs:
+                run = _Run(sc, 0, device, History(None, keep=False), observe=False)
+                run.arm()
+                run.run()
+            return perf() - t
+
+        return _round_robin({"harness": harness, "alone": alone}, repeats)
 
 
 def run_bench(quick: bool = False, device: str = "cpu", out_json: str | None = None, console=None,
@@ -561,6 +591,12 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
         m["paged_vs_contiguous_b8_ctx512"] = _metric(
             "paged vs contiguous step, B=8 ctx 512", "ms/step", pc["engine_step_s"] * 1e3,
             pc["contiguous_step_s"] * 1e3, "contiguous-cache decode", 1.3, "<=", "ratio", higher_is_better=False)
+
+    with console.status("bench: harness overhead") if console.is_terminal else nullcontext():
+        ov = bench_harness_overhead(p["overhead_repeats"], p["overhead_scenarios"], device)
+        m["harness_overhead_suite"] = _metric(
+            "built-in suite: full harness vs engine alone", "s", ov["harness"], ov["alone"],
+            "engine + workload + faults alone", 1.5, "<=", "ratio", higher_is_better=False)
 
     report = {
         "meta": {

@@ -39,6 +39,14 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    spec = config.getoption("--kvchaos-block-manager", None)
+    if spec:  # a bad spec is one usage error, not an ERROR on every item
+        from harness.runner import load_object
+
+        try:
+            load_object(spec)
+        except ValueError as e:
+            raise pytest.UsageError(f"--kvchaos-block-manager: {e}") from None
 
 
 def _report_dir(config) -> Path:

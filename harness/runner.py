@@ -6,7 +6,6 @@ import datetime as dt
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import time
 import traceback
@@ -24,6 +23,7 @@ from harness.checkers import run_checkers
 from harness.history import History
 from harness.oracle import Oracle
 from harness.scenario import Scenario
+from harness.toml_writer import dumps
 from harness.telemetry import Telemetry
 from harness.verdict import decide
 from harness.workload import build_plan
@@ -84,8 +84,9 @@ class _Run:
     """One run's live state: engine, faults, pending actions, logits awaiting the oracle."""
 
     def __init__(self, sc: Scenario, seed: int, device: str, history: History, block_manager=None,
-                 tp: dict | None = None, cluster=None) -> None:
+                 tp: dict | None = None, cluster=None, observe: bool = True) -> None:
         self.sc, self.seed, self.h = sc, seed, history
+        self.observe = observe  # False: the engine and workload alone, nothing recorded (the overhead baseline)
         self.cfg = replace(sc.engine_config(device=device, seed=seed), **(tp or {}))
         cc = self.cfg.cache
         bm = block_manager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq) \
@@ -103,7 +104,19 @@ class _Run:
         self.token_steps: dict[str, list[int]] = {}
         self.oracle_results: list[dict] = []
         self.telemetry = Telemetry.from_env(device)
+
+    def snapshot(self, step: int) -> None:
         e = self.engine
+        self.h.append({"e": "snapshot", "step": step, **e.bm.snapshot().to_dict(), "live": [s.id for s in e.running]})
+
+    def arm(self) -> None:
+        """Attach the faults to the engine's seams (after run_start: the history opens with it).
+        Snapshots are taken as each step's table is uploaded, so checkers see the very table the
+        kernels read (a row spilled into and cleaned up within one step is still caught)."""
+        e = self.engine
+        every = self.sc.run.snapshot_every
+        if self.observe:
+            e.seams.on_upload = lambda: self.snapshot(e.step_count) if e.step_count % every == 0 else None
         e.seams.on_event = lambda kind, data: self.h.append({"e": "engine", "step": e.step_count, "kind": kind,
                                                              "data": data})
         for f in self.faults:
@@ -151,6 +164,9 @@ class _Run:
                 seq = e.seqs.get(a.req)
                 if seq is None or seq.done:
                     return True
+                if not self.observe:
+                    e.cancel(a.req)
+                    return True
                 phase, before = self._phase(a.req), seq.phase  # before the cancel makes it "cancelled"
                 snap = e.bm.snapshot()
                 blocks = snap.seq_blocks.get(a.req, [])
@@ -190,6 +206,10 @@ class _Run:
                 f.before_step(e, step)
             out = e.step()
             st = out.stats
+            for f in self.faults:
+                f.after_step(e, st.step, out)
+            if not self.observe:
+                continue
             h.append({"e": "step", "step": st.step, "latency_s": st.latency_s, "host_s": st.host_s, "cpu_s": st.cpu_s,
                       "free_blocks": st.free_blocks, "running": st.num_running, "waiting": st.num_waiting,
                       "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens,
@@ -200,11 +220,6 @@ class _Run:
             for req, row in out.logits.items():
                 self.logits.setdefault(req, []).append(row)
                 self.token_steps.setdefault(req, []).append(st.step)
-            for f in self.faults:
-                f.after_step(e, st.step, out)
-            if st.step % run.snapshot_every == 0:
-                h.append({"e": "snapshot", "step": st.step, **e.bm.snapshot().to_dict(),
-                          "live": [s.id for s in e.running]})
             for req in out.finished:
                 self._oracle(req, st.step)
             h.flush()
@@ -213,6 +228,8 @@ class _Run:
         return "max_steps"
 
     def finish(self, reason: str) -> dict:
+        # The final state: after the last step's frees and any cancels that came after it.
+        self.snapshot(self.engine.step_count + 1)
         for req in list(self.logits):  # still running at the end: check what they produced
             self._oracle(req, self.engine.step_count)
         verify = {f.name: f.verify() if f.defect else {"planted": False, **f.verify()} for f in self.faults}
@@ -242,8 +259,8 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
     tp = {k: v for k, v in (("tp_mode", tp_mode), ("tp_size", world_size)) if v is not None}
     device = resolve_device(device)
     run_dir = new_run_dir(Path(report_dir), sc.name, seed) if report_dir is not None else None
-    if run_dir is not None and sc.source and Path(sc.source).exists():
-        shutil.copyfile(sc.source, run_dir / "scenario.toml")
+    if run_dir is not None:  # the scenario as resolved (defaults filled in): what replay and analyze read
+        (run_dir / "scenario.toml").write_text(dumps(sc.model_dump(mode="json", exclude_none=True)), encoding="utf-8")
     history = History(run_dir / "history.jsonl" if run_dir else None, keep=True)
     if block_manager is not None and not block_manager_spec:  # name it, for the history and the replay line
         block_manager_spec = f"{block_manager.__module__}:{getattr(block_manager, '__qualname__', '?')}"
@@ -262,6 +279,7 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
                         "block_manager": block_manager_spec or "engine.block_manager:BlockManager",
                         "telemetry": run.telemetry.status(),
                         "plan": [a.to_dict() for a in run.plan.actions]})
+        run.arm()
         reason = run.run(time.monotonic() + timeout_s if timeout_s else None)
     except KeyboardInterrupt:
         reason = "interrupted"
@@ -294,7 +312,7 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
         "reason": reason, "error": error, "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": v.time_to_detect, "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks], "history_digest": history.digest(),
-        "metrics": _metrics(events), "replay": replay_command(sc, seed, device, block_manager_spec, tp),
+        "metrics": _metrics(events), "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
     }
     if run_dir is not None:
         (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -313,12 +331,31 @@ def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None)
     """Checkers + verdict from a history: how a run ends, and what `kvchaos analyze` recomputes."""
     checks = run_checkers(events, {"latency": {"slo_ratio": sc.run.latency_slo_ratio, "signal": sc.run.latency_signal},
                                    "liveness": {"bound_steps": sc.run.liveness_bound_steps}})
+    mark_manifest(checks, events)
     return checks, decide(sc, checks, verify, error)
 
 
+def mark_manifest(checks: list, events: list[dict]) -> None:
+    """A structural finding is manifest when outputs diverged too: on its own request where it names
+    one, else anywhere in the run. Otherwise it stays latent."""
+    diverged = {e["req"] for e in events if e.get("e") == "oracle" and e.get("first_divergence") is not None}
+    if not diverged:
+        return
+    for c in checks:
+        for f in c.findings:
+            if f.manifest is False:
+                reqs = {f.evidence.get(k) for k in ("req", "owner")} - {None}
+                f.manifest = bool(reqs & diverged) if reqs else True
+
+
 def replay_command(sc: Scenario, seed: int, device: str, block_manager_spec: str | None = None,
-                   tp: dict | None = None) -> str:
-    target = sc.source if sc.source else sc.name
+                   tp: dict | None = None, run_dir: Path | None = None) -> str:
+    if sc.source and Path(sc.source).exists():
+        target = sc.source
+    elif run_dir is not None:  # built in memory (a fixture's dict, a soak mix): the run folder's copy
+        target = str(run_dir / "scenario.toml")
+    else:
+        target = sc.name
     bm = f" --block-manager {block_manager_spec}" if block_manager_spec else ""
     tp = tp or {}
     tp_flags = (f" --tp-mode {tp['tp_mode']}" if "tp_mode" in tp else "") + \

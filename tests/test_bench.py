@@ -17,6 +17,7 @@ METRICS = {
     "pool_alloc_free_per_s", "pool_vs_nanovllm", "pool_scale_1m_vs_1k", "pool_scale_1m_vs_1k_shared",
     "build_1m_blockmanager_s", "decode_bookkeeping_us", "engine_decode_b1_steps_per_s", "engine_host_share_b1",
     "engine_decode_b8_ctx512_steps_per_s", "engine_host_share_b8_ctx512", "paged_vs_contiguous_b8_ctx512",
+    "harness_overhead_suite",
 }
 WITH_BASELINE = METRICS - {"engine_decode_b1_steps_per_s", "engine_host_share_b1", "engine_host_share_b8_ctx512"}
 WITH_TARGET = METRICS - {"pool_vs_nanovllm", "engine_decode_b8_ctx512_steps_per_s"}
