@@ -338,14 +338,7 @@ class DistEngine(Engine):
 
     def _build_batch(self, decode, prefill):
         width = self.bm.table.width
-        rows = self.bm.rows if hasattr(self.bm, "rows") else self.bm.snapshot().seq_rows
-        tok, pos = [], []
-        for s in decode:
-            tok.append(s.tokens[-1])
-            pos.append(s.num_computed)
-        for s, n in prefill:
-            tok += s.tokens[s.num_computed:s.num_computed + n]
-            pos += range(s.num_computed, s.num_computed + n)
+        rows, tok, pos = self._batch_inputs(decode, prefill)
         copies, self._copies = self._copies, []
         msg = Batch.pack(self.step_count, self.table_version, self.seams.rank_sync, tok, pos,
                          [rows[s.id] * width for s in decode],

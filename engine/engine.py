@@ -293,10 +293,8 @@ class Engine:
         self.counters["stale_rank_computes"] += len(stale)
         return stale
 
-    def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
-        """Token ids, positions and, per rank, the slot mapping and attention tables, all read
-        through that rank's own copy of the flat table."""
-        bs, width = self.bm.block_size, self.bm.table.width
+    def _batch_inputs(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
+        """Each sequence's table row, and the step's token ids and positions: decode tokens first."""
         rows = self.bm.rows if hasattr(self.bm, "rows") else self.bm.snapshot().seq_rows
         tok, pos = [], []
         for s in decode:
@@ -305,6 +303,13 @@ class Engine:
         for s, n in prefill:
             tok += s.tokens[s.num_computed:s.num_computed + n]
             pos += range(s.num_computed, s.num_computed + n)
+        return rows, tok, pos
+
+    def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
+        """Token ids, positions and, per rank, the slot mapping and attention tables, all read
+        through that rank's own copy of the flat table."""
+        bs, width = self.bm.block_size, self.bm.table.width
+        rows, tok, pos = self._batch_inputs(decode, prefill)
         dev = self.device
         nt, nd = len(tok), len(decode)
         dec_pos = pos[:nd]

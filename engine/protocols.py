@@ -18,7 +18,7 @@ Contract, in words:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 
@@ -35,7 +35,7 @@ class Snapshot:
     table_width: int
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dict(self.__dict__)  # shallow: snapshot() already hands out fresh lists
 
 
 @runtime_checkable

@@ -37,8 +37,9 @@ class History:
         self._hash = hashlib.sha256()
 
     def append(self, event: dict) -> None:
-        line = json.dumps(event, separators=(",", ":"), sort_keys=True)
-        self._hash.update(_stable_line(event))
+        line = json.dumps(event, separators=(",", ":"))
+        # most events hold nothing unstable: their line is already the stable line (one encode, not two)
+        self._hash.update(_stable_line(event) if _has_unstable(event) else line.encode())
         if self._f:
             self._f.write(line + "\n")
         if self.events is not None:
@@ -85,8 +86,12 @@ def _stable(d: dict) -> dict:
     return {k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in UNSTABLE_KEYS}
 
 
+def _has_unstable(d: dict) -> bool:
+    return any(k in UNSTABLE_KEYS or (isinstance(v, dict) and _has_unstable(v)) for k, v in d.items())
+
+
 def _stable_line(event: dict) -> bytes:
-    return json.dumps(_stable(event), separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps(_stable(event), separators=(",", ":")).encode()
 
 
 def deterministic_digest(events: list[dict]) -> str:

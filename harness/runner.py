@@ -3,6 +3,7 @@ History first, check after: everything is on disk before any checker reads it.""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import importlib
 import json
 import os
@@ -31,6 +32,7 @@ from harness.workload import build_plan
 DEFAULT_REPORT_DIR = Path("reports")
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
