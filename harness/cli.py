@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != module:
                 raise
             continue
-        sp = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip())
+        sp = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(sp)
         sp.set_defaults(func=mod.main)
     return p
