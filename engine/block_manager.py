@@ -131,25 +131,24 @@ class BlockManager:
         return copies
 
     def append_decode(self, seq_ids: list[str]) -> list[tuple[int, int]]:
-        """append(s, 1) for every s: the decode hot path, inlined. Same semantics, same atomicity
-        (it falls back to append() when the pool could run dry mid-batch)."""
+        """append(s, 1) for every s: the decode hot path, inlined. Same semantics, same atomicity:
+        a failure (no free block, a row too narrow) leaves the manager as it was."""
         pool = self.pool
         free, ref = pool.free, pool.ref
         table = self.table
-        if table.bound_check:  # a sequence needing a block past its row's width fails the batch, unchanged
-            bs, nt, blocks, w = self.block_size, self.num_tokens, self.blocks, table.width
-            for s in seq_ids:
-                if nt[s] % bs == 0 and len(blocks[s]) >= w:
-                    raise TableOverflow(f"sequence {s}: block-table index {len(blocks[s])} >= width {w}")
-        if len(free) < len(seq_ids):  # might run dry: count exactly first, so a failure changes nothing
+        bs, nt, blocks, rows = self.block_size, self.num_tokens, self.blocks, self.rows
+        host, w = table.host, table.width
+        cow = pool.shared > 0  # else no block is shared, so no partial last block needs copy-on-write
+        if len(free) < len(seq_ids) or (cow and table.bound_check):  # rare: check everything first
+            if table.bound_check:
+                for s in seq_ids:
+                    if nt[s] % bs == 0 and len(blocks[s]) >= w:
+                        raise TableOverflow(f"sequence {s}: block-table index {len(blocks[s])} >= width {w}")
             if sum(self.blocks_needed(s, 1) for s in seq_ids) > len(free):
                 raise OutOfBlocks(f"decode of {len(seq_ids)} sequences needs more blocks than are free")
             return [c for s in seq_ids for c in self.append(s, 1)]
-        bs, nt, blocks, rows = self.block_size, self.num_tokens, self.blocks, self.rows
-        host, w = table.host, table.width
         copies: list[tuple[int, int]] = []
-        cow = pool.shared > 0  # else no block is shared, so no partial last block needs copy-on-write
-        for s in seq_ids:
+        for k, s in enumerate(seq_ids):
             n = nt[s]
             if n % bs:
                 if cow and ref[blocks[s][-1]] != 1:  # shared partial block: copy-on-write, the slow path
@@ -158,20 +157,28 @@ class BlockManager:
             else:
                 bl = blocks[s]
                 i = len(bl)
+                if i >= w and table.bound_check:
+                    self._undo_decode(seq_ids[:k])
+                    raise TableOverflow(f"block-table row {rows[s]}: index {i} >= width {w}")
                 b = free.pop()
                 ref[b] = 1
                 if i < w:
                     host[rows[s] * w + i] = b
                 else:
-                    try:
-                        table.write(rows[s], i, b)
-                    except Exception:
-                        ref[b] = 0
-                        free.append(b)
-                        raise
+                    table.write(rows[s], i, b)
                 bl.append(b)
             nt[s] = n + 1
         return copies
+
+    def _undo_decode(self, seq_ids: list[str]) -> None:
+        """Take back one decode append of each sequence (no copy-on-write happened: none shared)."""
+        bs, w, host = self.block_size, self.table.width, self.table.host
+        for s in seq_ids:
+            n = self.num_tokens[s] = self.num_tokens[s] - 1
+            if n % bs == 0:
+                b = self.blocks[s].pop()
+                host[self.rows[s] * w + len(self.blocks[s])] = -1
+                self.pool.decref(b)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (ref counts up); the first append to a
