@@ -101,6 +101,7 @@ class _Run:
             f.shape(self.plan, self.cfg)
         self.actions = self.plan.by_step()
         self.pending: list = []  # actions waiting for their request to reach a phase
+        self.snapped = -1  # the step of the last snapshot
         self.rejected: set[str] = set()
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.token_steps: dict[str, list[int]] = {}
@@ -109,6 +110,7 @@ class _Run:
 
     def snapshot(self, step: int) -> None:
         e = self.engine
+        self.snapped = step
         self.h.append({"e": "snapshot", "step": step, **e.bm.snapshot().to_dict(), "live": [s.id for s in e.running]})
 
     def arm(self) -> None:
@@ -212,6 +214,8 @@ class _Run:
                 f.after_step(e, st.step, out)
             if not self.observe:
                 continue
+            if self.snapped != st.step and st.step % run.snapshot_every == 0:
+                self.snapshot(st.step)  # nothing was uploaded (nothing could run): still look, every step
             h.append({"e": "step", "step": st.step, "latency_s": st.latency_s, "host_s": st.host_s, "cpu_s": st.cpu_s,
                       "free_blocks": st.free_blocks, "running": st.num_running, "waiting": st.num_waiting,
                       "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens,
