@@ -9,8 +9,11 @@ Kinds and their fields:
   cancel     req, phase (waiting | prefill | decode | preempted), shared (held a block also held by
              another sequence), blocks (the blocks it held)
   step       latency_s, host_s, free_blocks, running, waiting, prefill_tokens, decode_tokens,
-             preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs, table_crc
-  snapshot   the engine.protocols.Snapshot fields, plus live (requests the engine is running)
+             preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs, table_crc,
+             cpu_s, and telemetry (RSS, CPU, GPU fields) on sampled steps
+  snapshot   the engine.protocols.Snapshot fields, plus live (requests the engine is running); taken
+             as each step's table is uploaded (the table the kernels read), after a step that ran
+             nothing, and once more at the end of the run (stamped one past the last step)
   engine     kind (cow | staging_realloc | ...), data
   fault      fault, kind ("armed" | "trigger" | "fired"), detail
   oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
