@@ -26,7 +26,7 @@ class TableOverflow(Fault):
             prompt = max(1, cap // 4)
             plan.add(Action(step, "submit", f"long{i}", plan.prompt(prompt), total - prompt, origin=self.name))
         for i in range(self.p["neighbours"]):
-            plan.add(Action(step, "submit", f"nb{i}", plan.prompt(8), cap // 2, origin=self.name))
+            plan.add(Action(step, "submit", f"nb{i}", plan.prompt(8), cap - 8, origin=self.name))  # outlive the overflow
         if self.p["boundary"]:  # right at the edge: exactly a full row (fits), and one token over
             plan.add(Action(step + 1, "submit", "edge_fit", plan.prompt(cap // 2), cap - cap // 2, origin=self.name))
             plan.add(Action(step + 1, "submit", "edge_over", plan.prompt(cap // 2), cap - cap // 2 + 1, origin=self.name))

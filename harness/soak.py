@@ -197,9 +197,10 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
             if fp not in out or f["step"] < out[fp]:
                 out[fp] = f["step"]
     tail = sorted(({"fp": fp, "step": s} for fp, s in out.items()), key=lambda x: (x["step"], x["fp"]))
-    if v == PASS:  # the primary is the earliest finding of a checker the scenario expected
-        want = set(results.get("expectation", {}).get("checkers", []))
-        tail.sort(key=lambda x: x["fp"][2] not in want)
+    if v == PASS:  # the primary is the earliest finding of a checker the scenario expected (ties: in its order)
+        want = results.get("expectation", {}).get("checkers", [])
+        tail.sort(key=lambda x: (x["fp"][2] not in want, x["step"],
+                                 want.index(x["fp"][2]) if x["fp"][2] in want else 0))
     return head + tail
 
 
