@@ -72,7 +72,6 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from engine.distributed import Cluster, external_launch, serve
     from harness.runner import load_object, resolve_device, run_scenario

@@ -3,7 +3,6 @@ input refused with exit 2 and one clear line (no traceback, no run started)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

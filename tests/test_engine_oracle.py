@@ -17,15 +17,6 @@ import torch
 from engine import CacheConfig, Engine, EngineConfig, ModelConfig, State
 from harness.oracle import Oracle
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The model is tiny: intra-op threads only contend (10x slower on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                     intermediate_size=64, vocab_size=97, max_position=256)
 
