@@ -109,6 +109,11 @@ def make_inputs(shape: dict, device: torch.device, seed: int = 0) -> dict:
             "k_contig": contig[0], "v_contig": contig[1], "scale": d ** -0.5}
 
 
+def _copy_into(dst: torch.Tensor, src: torch.Tensor):
+    """The copy baseline: dst lives only as long as the timing closure does."""
+    return lambda: dst.copy_(src)
+
+
 def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode token per sequence on contiguous [B, Hkv, T, D] KV: each KV head's G query heads
     are G queries of that head, so K/V are read once (no repeat for GQA)."""
@@ -148,9 +153,7 @@ def bench(mode: str = "full", runs: int | None = None, warmup: int | None = None
         def fn():
             return paged_decode_torch(q, kv[0], kv[1], x["paged"], lens, scale, max_seq_len=shape["ctx"])
         results["torch_paged"] = _stats(timer(fn, max(3, runs // 10), min(warmup, 2)), kbytes)
-    dst = torch.empty_like(kv)
-    copy = _stats(timer(lambda: dst.copy_(kv), runs, warmup), 2 * kbytes)  # read + write
-    del dst
+    copy = _stats(timer(_copy_into(torch.empty_like(kv), kv), runs, warmup), 2 * kbytes)  # read + write
 
     chunks = triton.cdiv(shape["ctx"], max(shape["block_size"], 16 if interp else 32))
     auto = _auto_splits(q, shape["batch"] * shape["num_kv_heads"], chunks)

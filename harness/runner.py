@@ -258,7 +258,7 @@ def new_run_dir(report_dir: Path, name: str, seed: int) -> Path:
 
 def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir: Path | str | None = DEFAULT_REPORT_DIR,
                  block_manager=None, block_manager_spec: str | None = None, timeout_s: float | None = None,
-                 keep_events: bool = True, tp_mode: str | None = None, world_size: int | None = None,
+                 tp_mode: str | None = None, world_size: int | None = None,
                  cluster=None) -> RunResult:
     """Run one scenario with one seed. report_dir=None keeps nothing on disk. tp_mode / world_size
     override the scenario's engine.tp_mode / tp_size; cluster: an engine.distributed.Cluster to reuse."""

@@ -98,10 +98,6 @@ class Plan:
             out.setdefault(a.step, []).append(a)
         return out
 
-    @property
-    def last_step(self) -> int:
-        return max((a.step for a in self.actions), default=0)
-
 
 def build_plan(w: Workload, vocab: int, seed: int) -> Plan:
     rng = random.Random(f"{seed}/workload")
