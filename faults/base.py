@@ -3,10 +3,79 @@ be planted on the engine's seams, a schedule, verify() with evidence from counte
 expected to catch it, and the root cause and remediation an incident report quotes."""
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import dataclass
 from typing import Callable
 
 from engine.engine import Engine
+
+
+class ParamError(ValueError):
+    """A fault param with an unknown name or a value outside its domain. key is its path under the
+    fault's params (paths.1 for a list's element), so a scenario file can name faults.N.params.key."""
+
+    def __init__(self, fault: str, key: str, reason: str) -> None:
+        super().__init__(f"fault {fault}: params.{key}: {reason}")
+        self.key, self.reason = key, reason
+
+
+@dataclass(frozen=True)
+class Num:
+    """kind int: an int; kind float: a finite int or float. Never a bool or a string, like the
+    [engine] table's check (TOML values are typed already). Within bounds; None too if optional."""
+    kind: type = int
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    optional: bool = False
+
+    def __str__(self) -> str:
+        s = "an int" if self.kind is int else "a number"
+        if self.ge is not None and self.le is not None:
+            s += f" in [{self.ge}, {self.le}]"
+        else:
+            s += "".join(f" {op} {b}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le)) if b is not None)
+        return s + (" or unset (None)" if self.optional else "")  # TOML has no null: leave the key out
+
+    def problem(self, v) -> tuple[str, str, object] | None:
+        if v is None and self.optional:
+            return None
+        ok = isinstance(v, int) if self.kind is int else isinstance(v, (int, float)) and math.isfinite(v)
+        ok = ok and not isinstance(v, bool) and (self.ge is None or v >= self.ge) and \
+            (self.gt is None or v > self.gt) and (self.le is None or v <= self.le)
+        return None if ok else ("", str(self), v)
+
+
+@dataclass(frozen=True)
+class Bool:
+    def __str__(self) -> str:
+        return "true or false"
+
+    def problem(self, v) -> tuple[str, str, object] | None:
+        return None if isinstance(v, bool) else ("", str(self), v)
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """A list (repeats allowed, empty too) of the given choices; a bad element is named by index."""
+    choices: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"a list of {list(self.choices)}"
+
+    def problem(self, v) -> tuple[str, str, object] | None:
+        if not isinstance(v, list):
+            return "", str(self), v
+        bad = next((i for i, x in enumerate(v) if x not in self.choices), None)
+        return None if bad is None else (f".{bad}", f"one of {list(self.choices)}", v[bad])
+
+
+# the domains the faults share. Steps count from 1: an action or trigger at step 0 never comes.
+STEP = Num(int, ge=1)
+COUNT = Num(int, ge=0)
+FRACTION = Num(float, ge=0, le=1)
+BOOL = Bool()
 
 
 class Fault:
@@ -15,14 +84,34 @@ class Fault:
     root_cause: str = ""
     remediation: str = ""
     defaults: dict = {}
+    domains: dict = {}  # param -> Num / Bool / ListOf: what values it takes (same keys as defaults)
+
+    @classmethod
+    def check_params(cls, params: dict, engine_config=None) -> dict:
+        """The params over the defaults, or a ParamError: an unknown name, a value outside its
+        domain, or (given the engine config) one that does not fit the engine. The one check a
+        scenario file gets at load and a fault gets when constructed."""
+        unknown = sorted(set(params) - set(cls.defaults))
+        if unknown:
+            raise ParamError(cls.name, unknown[0], f"unknown param of fault {cls.name}; "
+                                                   f"allowed: {sorted(cls.defaults)}")
+        for key, value in params.items():
+            bad = cls.domains[key].problem(value)
+            if bad:
+                sub, expected, got = bad
+                raise ParamError(cls.name, key + sub, f"expected {expected}, got {got!r}")
+        p = {**cls.defaults, **params}
+        if engine_config is not None:
+            cls.check_engine(p, engine_config)
+        return p
+
+    @classmethod
+    def check_engine(cls, p: dict, engine_config) -> None:
+        """Domains that depend on the engine (e.g. a rank index): raise ParamError."""
 
     def __init__(self, defect: bool, params: dict, seed: int) -> None:
-        unknown = set(params) - set(self.defaults)
-        if unknown:
-            raise ValueError(f"fault {self.name}: unknown param {sorted(unknown)[0]!r}; "
-                             f"allowed: {sorted(self.defaults)}")
         self.defect = defect
-        self.p = {**self.defaults, **params}
+        self.p = self.check_params(params)
         self.rng = random.Random(f"{seed}/fault/{self.name}")
         self.emit: Callable[..., None] = lambda kind, detail, step=None: None
         self.fired_steps: list[int] = []
@@ -32,6 +121,7 @@ class Fault:
 
     def arm(self, engine: Engine, emit: Callable[[str, dict], None]) -> None:
         """Attach to the engine's seams. emit(kind, detail, step=None) records a fault event."""
+        self.check_engine(self.p, engine.config)  # at load too; again here for a fault built in code
         self.emit = emit
 
     def before_step(self, engine: Engine, step: int) -> None:

@@ -3,7 +3,7 @@ table; one rank's update arrives late. With no version check before compute, tha
 stale table for a step and writes/reads K/V at the wrong slots."""
 from __future__ import annotations
 
-from faults.base import Fault
+from faults.base import FRACTION, STEP, Fault, Num, ParamError
 
 
 class OrderingRace(Fault):
@@ -14,13 +14,20 @@ class OrderingRace(Fault):
     remediation = ("Ranks acknowledge the table version before computing (barrier / event sync); a stale "
                    "version is refused.")
     defaults = {"lag_rank": 1, "lag_steps": 1, "probability": 0.3, "from_step": 3}
+    # lag_steps 0 is no lag (the update lands on time); lag_rank's upper bound is the engine's tp_size
+    domains = {"lag_rank": Num(int, ge=0), "lag_steps": Num(int, ge=1), "probability": FRACTION, "from_step": STEP}
+
+    @classmethod
+    def check_engine(cls, p, engine_config) -> None:
+        tp = engine_config.tp_size
+        if tp >= 2 and not p["lag_rank"] < tp:  # tp_size < 2 is an error of its own, at arm
+            raise ParamError(cls.name, "lag_rank", f"expected an int in [0, {tp - 1}] (a rank of engine.tp_size = "
+                                                   f"{tp}), got {p['lag_rank']!r}")
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
         if engine.config.tp_size < 2:
             raise ValueError("fault ordering_race needs engine.tp_size >= 2")
-        if not 0 <= self.p["lag_rank"] < engine.config.tp_size:
-            raise ValueError(f"fault ordering_race: lag_rank must be in [0, {engine.config.tp_size})")
         engine.seams.rank_sync = not self.defect
         rng, p = self.rng, self.p
 

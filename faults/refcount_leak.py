@@ -2,7 +2,7 @@
 cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains."""
 from __future__ import annotations
 
-from faults.base import Fault
+from faults.base import FRACTION, STEP, Fault, ListOf, Num
 from harness.workload import Action
 
 PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
@@ -17,11 +17,10 @@ class RefcountLeak(Fault):
                    "try-finally) and make free idempotent, so cancel, finish, preempt and error all release.")
     defaults = {"paths": list(PATHS), "fraction": 1.0, "cancel_phases": ["prefill", "decode", "shared"],
                 "storm_step": None, "storm_fraction": 0.5}
+    domains = {"paths": ListOf(PATHS), "fraction": FRACTION, "cancel_phases": ListOf(PATHS),
+               "storm_step": Num(int, ge=1, optional=True), "storm_fraction": FRACTION}  # storm_step None: no storm
 
     def shape(self, plan, cfg) -> None:
-        bad = [p for p in self.p["paths"] + self.p["cancel_phases"] if p not in PATHS]
-        if bad:
-            raise ValueError(f"fault refcount_leak: unknown path {bad[0]!r}; allowed: {list(PATHS)}")
         subs = [a for a in plan.actions if a.op == "submit"]
         forks = [a for a in plan.actions if a.op == "fork"]
         for i, phase in enumerate(self.p["cancel_phases"]):

@@ -8,7 +8,7 @@ import os
 import time
 
 from engine.staging import StagingBuffer
-from faults.base import Fault
+from faults.base import STEP, Fault, Num
 
 
 def busy_wait(seconds: float) -> None:
@@ -50,6 +50,9 @@ class StagingStall(Fault):
                    "and re-allocate it (pinned) when it is not this process's.")
     # ramp_steps: steps until every page is bad; plateau_us: the stall per upload once they all are
     defaults = {"at_step": 20, "page_bytes": 16, "ramp_steps": 12, "plateau_us": 3000.0}
+    # page_bytes and ramp_steps divide: at least 1
+    domains = {"at_step": STEP, "page_bytes": Num(int, ge=1), "ramp_steps": Num(int, ge=1),
+               "plateau_us": Num(float, ge=0)}
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)

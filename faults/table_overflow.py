@@ -3,7 +3,7 @@ no bound check the write lands in the next row of the flat table and silently co
 neighbour."""
 from __future__ import annotations
 
-from faults.base import Fault
+from faults.base import BOOL, COUNT, STEP, Fault, Num
 from harness.workload import Action
 
 
@@ -16,6 +16,9 @@ class TableOverflow(Fault):
     remediation = ("Check the length at admission: reject a request that can never fit with a 429-style "
                    "error, or resize the table by policy; refuse any table write past a row's width.")
     defaults = {"at_step": 3, "long_requests": 1, "overshoot": 1.5, "boundary": True, "neighbours": 3}
+    # overshoot: the long request's length in rows; at most one row, it fits and is no trigger
+    domains = {"at_step": STEP, "long_requests": COUNT, "overshoot": Num(float, gt=1), "boundary": BOOL,
+               "neighbours": COUNT}
 
     def shape(self, plan, cfg) -> None:
         cap = cfg.cache.max_tokens_per_seq

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import REGISTRY
+from faults import REGISTRY, make_fault
 from harness.scenario import (BUILTIN_DIR, CHECKERS, ScenarioError, builtin_scenarios, load_scenario,
                               parse_scenario)
 from harness.workload import build_plan, read_lengths
@@ -102,6 +102,93 @@ def test_malformed_file_gives_one_clear_error(tmp_path, body, expected):
     assert msg.startswith(f"{path}: "), msg
     for want in expected:
         assert want in msg, (want, msg)
+
+
+# -- fault param values: refused at load, each with the key path, the value and its domain -------
+STEPS_FROM_1 = "expected an int >= 1"
+PHASES = "['waiting', 'prefill', 'decode', 'preempted', 'shared']"
+BAD_PARAMS = [
+    # (fault, params as TOML, the message after "<file>: faults.0.params.")
+    ("table_overflow", "at_step = 0", f"at_step: {STEPS_FROM_1}, got 0"),
+    ("table_overflow", "long_requests = -1", "long_requests: expected an int >= 0, got -1"),
+    ("table_overflow", "neighbours = 2.5", "neighbours: expected an int >= 0, got 2.5"),
+    ("table_overflow", "overshoot = 1.0", "overshoot: expected a number > 1, got 1.0"),
+    ("table_overflow", 'overshoot = "1.5"', "overshoot: expected a number > 1, got '1.5'"),
+    ("table_overflow", "overshoot = inf", "overshoot: expected a number > 1, got inf"),
+    ("table_overflow", "boundary = 1", "boundary: expected true or false, got 1"),
+    ("refcount_leak", "fraction = 1.5", "fraction: expected a number in [0, 1], got 1.5"),
+    ("refcount_leak", "storm_fraction = -0.1", "storm_fraction: expected a number in [0, 1], got -0.1"),
+    ("refcount_leak", "storm_step = 0", "storm_step: expected an int >= 1 or unset (None), got 0"),
+    ("refcount_leak", "storm_step = true", "storm_step: expected an int >= 1 or unset (None), got True"),
+    ("refcount_leak", 'paths = "decode"', f"paths: expected a list of {PHASES}, got 'decode'"),
+    ("refcount_leak", 'cancel_phases = ["decode", "finished"]',
+     f"cancel_phases.1: expected one of {PHASES}, got 'finished'"),  # the element, by index
+    ("staging_stall", "ramp_steps = 0", "ramp_steps: expected an int >= 1, got 0"),
+    ("staging_stall", "page_bytes = 0", "page_bytes: expected an int >= 1, got 0"),
+    ("staging_stall", "plateau_us = -5.0", "plateau_us: expected a number >= 0, got -5.0"),
+    ("staging_stall", 'at_step = "20"', f"at_step: {STEPS_FROM_1}, got '20'"),
+    ("ordering_race", "probability = 2", "probability: expected a number in [0, 1], got 2"),
+    ("ordering_race", "lag_steps = 0", "lag_steps: expected an int >= 1, got 0"),
+    ("ordering_race", "lag_rank = -1", "lag_rank: expected an int >= 0, got -1"),
+    ("ordering_race", "lag_rank = 2", "lag_rank: expected an int in [0, 1] (a rank of engine.tp_size = 2), got 2"),
+    ("ordering_race", "from_step = false", f"from_step: {STEPS_FROM_1}, got False"),
+]
+
+
+def _fault_body(fault: str, params: str) -> str:
+    return f'[engine]\ntp_size = 2\n[[faults]]\nname = "{fault}"\ndefect = false\nparams = {{ {params} }}\n'
+
+
+@pytest.mark.parametrize("fault, params, expected", BAD_PARAMS, ids=[f"{b[0]}-{b[1]}" for b in BAD_PARAMS])
+def test_bad_fault_param_value_is_refused_at_load(tmp_path, fault, params, expected):
+    path = write(tmp_path, HEAD + _fault_body(fault, params))
+    assert load_error(path) == f"{path}: faults.0.params.{expected}"
+
+
+def test_bad_param_of_a_later_fault_names_its_index(tmp_path):
+    body = _fault_body("table_overflow", "at_step = 2") + '[[faults]]\nname = "staging_stall"\ndefect = false\n' \
+        'params = { ramp_steps = -3 }\n'
+    msg = load_error(write(tmp_path, HEAD + body))
+    assert msg.endswith(": faults.1.params.ramp_steps: expected an int >= 1, got -3"), msg
+
+
+def test_fault_param_values_at_the_edges_of_their_domains_load(tmp_path):
+    for fault, params in [("table_overflow", "at_step = 1, long_requests = 0, neighbours = 0, overshoot = 2"),
+                          ("refcount_leak", "paths = [], cancel_phases = [\"waiting\", \"waiting\"], fraction = 0, "
+                                            "storm_step = 1, storm_fraction = 1"),
+                          ("staging_stall", "page_bytes = 1, ramp_steps = 1, plateau_us = 0"),
+                          ("ordering_race", "lag_rank = 0, lag_steps = 5, probability = 1.0, from_step = 1")]:
+        sc = load_scenario(write(tmp_path, HEAD + _fault_body(fault, params), f"{fault}.toml"))
+        REGISTRY[fault](False, sc.faults[0].params, 0)  # and it constructs
+
+
+def test_every_fault_param_has_a_domain_holding_its_default():
+    for name, cls in REGISTRY.items():
+        assert set(cls.domains) == set(cls.defaults), name
+        assert cls.check_params(dict(cls.defaults)) == cls.defaults  # storm_step's None default included
+
+
+@pytest.mark.parametrize("path", sorted(BUILTIN_DIR.glob("*.toml")), ids=lambda p: p.stem)
+def test_builtin_scenario_fault_params_are_valid(path):
+    sc = load_scenario(path)
+    for f in sc.faults:
+        REGISTRY[f.name].check_params(f.params, sc.engine_config())
+        make_fault(f.name, f.defect, f.params, 0)
+
+
+@pytest.mark.parametrize("name, params, message", [
+    ("staging_stall", {"ramp_steps": 0}, "fault staging_stall: params.ramp_steps: expected an int >= 1, got 0"),
+    ("table_overflow", {"neighbours": True},
+     "fault table_overflow: params.neighbours: expected an int >= 0, got True"),
+    ("refcount_leak", {"paths": ["nope"]},
+     f"fault refcount_leak: params.paths.0: expected one of {PHASES}, got 'nope'"),
+    ("ordering_race", {"lag": 1}, "fault ordering_race: params.lag: unknown param of fault ordering_race; allowed: "
+                                  "['from_step', 'lag_rank', 'lag_steps', 'probability']"),
+])
+def test_constructing_a_fault_with_a_bad_param_is_a_clear_value_error(name, params, message):
+    with pytest.raises(ValueError) as ei:
+        make_fault(name, True, params, 0)
+    assert str(ei.value) == message
 
 
 def test_unknown_top_level_key(tmp_path):
