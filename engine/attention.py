@@ -6,6 +6,8 @@ table[p // block_size] * block_size + p % block_size.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -25,26 +27,50 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, num_tokens: int) -> torch.
     bs = cache.shape[1]
     nblk = (num_tokens + bs - 1) // bs
     idx = table[..., :nblk].clamp(min=0)
-    # index_select on the flattened ids: the same copy as cache[idx], about 3x faster on the CPU
     blocks = cache.index_select(0, idx.reshape(-1).long()).view(*idx.shape, *cache.shape[1:])
     return blocks.flatten(-4, -3)[..., :num_tokens, :, :]  # [..., nblk, bs, hkv, d] -> [..., T, hkv, d]
 
 
+class DecodePlan(NamedTuple):
+    """What every layer's decode attention shares within a step, built once per step (per rank)."""
+    blocks: torch.Tensor       # [B * nblk] the block ids to gather; an unmapped (-1) entry reads block 0
+    max_len: int               # T: the longest context in the batch
+    mask: torch.Tensor | None  # additive float32 [B, 1, 1, T]; None when every row is T long
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                max_seq_len: int | None = None, min_seq_len: int | None = None) -> DecodePlan:
+    """max_seq_len / min_seq_len: the longest / shortest seq_len when the caller knows them on the
+    host (no device sync); read from seq_lens otherwise."""
+    t = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    shortest = int(seq_lens.min()) if min_seq_len is None else min_seq_len
+    nblk = -(-t // block_size)
+    blocks = (block_tables if block_tables.shape[1] == nblk else block_tables[:, :nblk]).clamp(min=0).view(-1)
+    mask = None
+    if shortest < t:
+        past_end = torch.arange(t, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+        mask = torch.zeros(past_end.shape, device=seq_lens.device).masked_fill_(past_end, float("-inf"))[:, None, None]
+    return DecodePlan(blocks, t, mask)
+
+
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       max_seq_len: int | None = None) -> torch.Tensor:
+                       max_seq_len: int | None = None, plan: DecodePlan | None = None) -> torch.Tensor:
     """One query token per sequence. q: [B, H, D]; block_tables: int32 [B, W];
-    seq_lens: int32 [B], context length including the current token. Returns [B, H, D]."""
+    seq_lens: int [B], context length including the current token. Returns [B, H, D].
+    plan: plan_decode's result for these tables and lengths, when the caller shares one across layers."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
-    t = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    k = _gather(k_cache, block_tables, t)  # [B, T, Hkv, D]
-    v = _gather(v_cache, block_tables, t)
+    if plan is None:
+        plan = plan_decode(block_tables, seq_lens, k_cache.shape[1], max_seq_len)
+    t = plan.max_len
+    # index_select on flat block ids: the same copy as cache[table], about 3x faster on the CPU
+    k = k_cache.index_select(0, plan.blocks).view(b, -1, hkv, d)[:, :t]  # [B, T, Hkv, D]
+    v = v_cache.index_select(0, plan.blocks).view(b, -1, hkv, d)[:, :t]
     # GQA without repeating K/V: each KV head's group of query heads acts as that head's queries.
     qg = q.reshape(b, hkv, h // hkv, d).float()
-    keep = torch.arange(t, device=q.device)[None, :] < seq_lens[:, None]  # [B, T]: False past a row's length
     out = F.scaled_dot_product_attention(qg, k.float().transpose(1, 2), v.float().transpose(1, 2),
-                                         attn_mask=keep[:, None, None, :], scale=scale)  # [B, Hkv, G, D]
+                                         attn_mask=plan.mask, scale=scale)  # [B, Hkv, G, D]
     return out.reshape(b, h, d).to(q.dtype)
 
 
@@ -54,13 +80,12 @@ def paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attending causally to everything before them through the table. q: [n, H, D]."""
     n, h, d = q.shape
     hkv = k_cache.shape[2]
-    t = start + n
+    g, t = h // hkv, start + n
     k = _gather(k_cache, table_row, t)  # [T, Hkv, D]
     v = _gather(v_cache, table_row, t)
-    qg = q.view(n, hkv, h // hkv, d)
-    scores = torch.einsum("nkgd,tkd->kgnt", qg.float(), k.float()) * scale
-    qpos = torch.arange(start, t, device=q.device)
-    future = torch.arange(t, device=q.device)[None, :] > qpos[:, None]  # [n, T]
-    scores.masked_fill_(future, float("-inf"))
-    out = torch.einsum("kgnt,tkd->nkgd", scores.softmax(-1), v.float())
-    return out.reshape(n, h, d).to(q.dtype)
+    # GQA as in decode: a KV head's g query heads x n positions are its g * n queries, rows (head, pos).
+    qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d).float()
+    keep = torch.arange(t, device=q.device)[None, :] <= torch.arange(start, t, device=q.device)[:, None]  # [n, T]
+    out = F.scaled_dot_product_attention(qg, k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+                                         attn_mask=keep.repeat(g, 1), scale=scale)  # [1, Hkv, g * n, D]
+    return out[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d).to(q.dtype)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.attention import paged_prefill_torch, write_kv
+from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine, _decode_backend
 from engine.errors import KVChaosError
@@ -157,6 +157,7 @@ class Batch:
     positions: torch.Tensor
     bases: list[int]            # each decode row's entry 0
     max_len: int                # longest decode context
+    min_len: int                # shortest decode context
     prefill: list[tuple[int, int, int]]  # (row's entry 0, start, n)
     copies: list[tuple[int, int]]        # copy-on-write (src block, dst block)
     updates: list[tuple[int, int, int]]  # table updates, in order: (rank, version, numel); numel 0: the
@@ -179,6 +180,7 @@ class Batch:
         pre, cps, ups = rest[nd:nd + 3 * npre], rest[nd + 3 * npre:nd + 3 * npre + 2 * ncp], rest[nd + 3 * npre + 2 * ncp:]
         dec_pos = msg[HEAD + nt:HEAD + nt + nd].tolist()
         return Batch(op, step, version, bool(sync), t[:nt], t[nt:], rest[:nd], max(dec_pos) + 1 if nd else 0,
+                     min(dec_pos) + 1 if nd else 0,
                      [tuple(pre[i:i + 3]) for i in range(0, len(pre), 3)],
                      [tuple(cps[i:i + 2]) for i in range(0, len(cps), 2)],
                      [tuple(ups[i:i + 3]) for i in range(0, len(ups), 3)])
@@ -229,17 +231,20 @@ class Shard:
         overlong row reads on into the next one, as a kernel would (as Engine._build_batch)."""
         flat, bs, dev = self.table.table, self.bs, self.device
         last = flat.numel() - 1
-        slots, dec_tables, chunks = [], None, []
+        slots, dec, chunks = [], None, []
         nd = len(b.bases)
         if nd:
             nblk = -(-b.max_len // bs)
             base = torch.tensor(b.bases, device=dev)
             p = b.positions[:nd]
-            idx, ent = base[:, None] + torch.arange(nblk, device=dev)[None, :], base + p // bs
+            idx, ent = (base[:, None] + torch.arange(nblk, device=dev)[None, :]).view(-1), base + p // bs
             if max(b.bases) + nblk - 1 > last:
                 idx, ent = idx.clamp(max=last), ent.clamp(max=last)
-            dec_tables = flat[idx]
-            slots.append(flat[ent].long() * bs + p % bs)
+            tables = flat.index_select(0, idx).view(nd, nblk)
+            slots.append(flat.index_select(0, ent).long() * bs + p % bs)
+            lens = (p + 1).to(torch.int32)
+            plan = plan_decode(tables, lens, bs, b.max_len, b.min_len) if self.decode_attention is paged_decode_torch else None
+            dec = (tables, lens, plan)
         off = nd
         for base, start, n in b.prefill:
             nblk = -(-(start + n) // bs)
@@ -248,18 +253,17 @@ class Shard:
             slots.append(trow[p // bs].long() * bs + p % bs)
             chunks.append((off, n, start, trow))
             off += n
-        return torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, chunks
+        return torch.cat(slots) if len(slots) > 1 else slots[0], dec, chunks
 
     def attend(self, wire: Wire, b: Batch, meta):
-        slots, dec_tables, chunks = meta
+        slots, dec, chunks = meta
         r, h, hkv, nd, pool, scale = self.rank, self.h, self.hkv, len(b.bases), self.pool, self.scale
-        dec_lens = (b.positions[:nd] + 1).to(torch.int32)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = pool[layer, 0], pool[layer, 1]
             qr = q[:, r * h:(r + 1) * h]
             write_kv(kc, vc, slots, k[:, r * hkv:(r + 1) * hkv], v[:, r * hkv:(r + 1) * hkv])
-            parts = [self.decode_attention(qr[:nd], kc, vc, dec_tables, dec_lens, scale, b.max_len)] if nd else []
+            parts = [self.decode_attention(qr[:nd], kc, vc, dec[0], dec[1], scale, b.max_len, plan=dec[2])] if nd else []
             for off, n, start, trow in chunks:
                 parts.append(paged_prefill_torch(qr[off:off + n], kc, vc, trow, start, scale))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -298,7 +302,7 @@ class DistEngine(Engine):
         self._outbox: list = []
         for r in range(1, world):
             self.ranks.ranks[r] = Link(r, self.device, self._outbox)
-        self.kv_pools = self.kv_pools[:1]  # this rank's heads only
+        self.kv_pools, self._kv_views = self.kv_pools[:1], self._kv_views[:1]  # this rank's heads only
         self.shard = Shard(config, 0, world, self.device, self.ranks.ranks[0], self.model.scale, self.kv_pools[0])
         self._own = cluster is None
         self.cluster = cluster if cluster is not None else Cluster()

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from engine.attention import paged_decode_torch, paged_prefill_torch, write_kv
+from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, RequestRejected
@@ -52,6 +52,7 @@ class Engine:
         self.kv_pools = [torch.zeros(mc.num_layers, 2, self.bm.num_blocks, self.bm.block_size,
                                      self.kv_heads_per_rank, mc.head_dim, dtype=mc.torch_dtype, device=self.device)
                          for _ in range(tp)]
+        self._kv_views = [[(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)] for pool in self.kv_pools]
         self.ranks = RankGroup(tp, self.device)
         self._pinned = self.device.type == "cuda"
         self.staging = StagingBuffer(self.bm.table.host_tensor.numel(), self._pinned)
@@ -157,13 +158,15 @@ class Engine:
         preempted: list[str] = []
         decode = [s for s in self.running if s.uncomputed == 1]
         # Make room for one token per decoding sequence, preempting the newest first.
-        while decode and sum(bm.blocks_needed(s.id, 1) for s in decode) > bm.num_free_blocks:
+        need = sum(bm.blocks_needed(s.id, 1) for s in decode)
+        while decode and need > bm.num_free_blocks:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.id)
             if victim in decode:
                 decode.remove(victim)
-        free = bm.num_free_blocks - sum(bm.blocks_needed(s.id, 1) for s in decode)
+            need = sum(bm.blocks_needed(s.id, 1) for s in decode)
+        free = bm.num_free_blocks - need
         prefill: list[tuple[Sequence, int]] = []
         for s in self.running:
             if s.uncomputed > 1 and budget > 0:
@@ -202,7 +205,7 @@ class Engine:
             d, prefill, p = self._schedule()
             decode, preempted = d, preempted + [victim.id] + p
         if not decode and not prefill:
-            stats = self._stats(t0, c0, t0, decode, prefill, preempted, [], computed=False)
+            stats = self._stats(t0, c0, t0, t0, decode, prefill, preempted, [], computed=False)
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
@@ -213,6 +216,7 @@ class Engine:
             if copies:
                 self._copy_blocks(copies)
             stale = self._upload_table()
+            t_prep = time.perf_counter()
             tokens, positions, metas = self._build_batch(decode, prefill)
             t_host = time.perf_counter()
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
@@ -223,7 +227,9 @@ class Engine:
                 off += n
                 if s.uncomputed == n:
                     emit.append((s, off - 1))
-            logits = self.model.logits(hidden[[i for _, i in emit]]) if emit else None
+            rows = [i for _, i in emit]
+            if rows:  # decode rows come first: a pure decode step takes a view
+                logits = self.model.logits(hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows])
         except BaseException:
             # Leave nothing half-done: the step's sequences give their blocks back and recompute.
             for s in scheduled:
@@ -246,15 +252,16 @@ class Engine:
                     self.running.remove(s)
                     self._release(s, "finish")
                     finished.append(s.id)
-        stats = self._stats(t0, c0, t_host, decode, prefill, preempted, stale)
+        stats = self._stats(t0, c0, t_prep, t_host, decode, prefill, preempted, stale)
         return StepOutput(stats, out_tokens, out_logits, finished)
 
-    def _stats(self, t0, c0, t_host, decode, prefill, preempted, stale, computed=True) -> StepStats:
+    def _stats(self, t0, c0, t_prep, t_host, decode, prefill, preempted, stale, computed=True) -> StepStats:
         crcs, table_crc = (self._crcs, self._table_crc) if computed else ([], 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         return StepStats(step=self.step_count, latency_s=now - t0, host_s=t_host - t0, cpu_s=time.thread_time() - c0,
+                         prep_s=t_host - t_prep,
                          free_blocks=self.bm.num_free_blocks, num_running=len(self.running),
                          num_waiting=len(self.waiting), prefill_tokens=sum(n for _, n in prefill),
                          decode_tokens=len(decode), preempted=preempted, table_version=self.table_version,
@@ -320,22 +327,24 @@ class Engine:
         ent = [b + p // bs for b, p in zip(bases, dec_pos)]
         meta = torch.tensor(tok + pos + [p + 1 for p in dec_pos] + bases + ent + [p % bs for p in dec_pos],
                             device=dev)
-        tokens, positions, dec_meta = meta.split((nt, nt, 4 * nd))
-        dec_lens, dec_base, dec_ent, dec_off = dec_meta.view(4, nd)
-        dec_lens = dec_lens.to(torch.int32)
-        nblk_dec = -(-(max(dec_pos) + 1) // bs) if nd else 0
+        tokens, positions = meta[:nt], meta[nt:2 * nt]
+        max_len = max(dec_pos) + 1 if nd else 0
         if nd:
-            dec_idx = dec_base[:, None] + self._arange(nblk_dec)  # [nd, nblk_dec] entries
+            dec_lens, dec_base, dec_ent, dec_off = meta[2 * nt:].view(4, nd).unbind()  # int64 lens: both backends take them
+            nblk_dec = -(-max_len // bs)
+            dec_idx = torch.add(dec_base.unsqueeze(1), self._arange(nblk_dec)).view(-1)  # [nd * nblk_dec] entries
             hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
         metas = []
         for rank in self.ranks.ranks:
             flat = rank.table
             last = flat.numel() - 1
-            slots, dec_tables, chunks = [], None, []
+            slots, dec_tables, plan, chunks = [], None, None, []
             if nd:  # flat addressing: an overlong row reads on into the next one, as a kernel would
                 di, de = (dec_idx, dec_ent) if hi <= last else (dec_idx.clamp(max=last), dec_ent.clamp(max=last))
-                dec_tables = flat[di]
-                slots.append(torch.add(dec_off, flat[de], alpha=bs))  # block * bs + offset, int64
+                dec_tables = flat.index_select(0, di).view(nd, nblk_dec)
+                slots.append(torch.add(dec_off, flat.index_select(0, de), alpha=bs))  # block * bs + offset, int64
+                if self.decode_attention is paged_decode_torch:
+                    plan = plan_decode(dec_tables, dec_lens, bs, max_len, min(dec_pos) + 1)
             off = nd
             for s, n in prefill:
                 start = s.num_computed
@@ -345,8 +354,8 @@ class Engine:
                 slots.append(trow[p // bs].long() * bs + p % bs)
                 chunks.append((off, n, start, trow))
                 off += n
-            metas.append((torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, chunks))
-        self._dec_lens, self._dec_max_len = dec_lens, (max(dec_pos) + 1 if nd else 0)
+            metas.append((torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks))
+        self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
 
     def _arange(self, n: int) -> torch.Tensor:
@@ -360,18 +369,21 @@ class Engine:
         scale, decode_attention = self.model.scale, self.decode_attention
         hkv_r = self.kv_heads_per_rank
         h_r = hkv_r * (self.config.model.num_heads // self.config.model.num_kv_heads)
-        pools, dec_lens = self.kv_pools, self._dec_lens
+        kv_views, dec_lens = self._kv_views, self._dec_lens
         max_len = self._dec_max_len  # int(dec_lens.max()), known on the host
+        tp = len(metas)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
-            for r, (slots, dec_tables, chunks) in enumerate(metas):
-                kc, vc = pools[r][layer, 0], pools[r][layer, 1]
-                qr = q[:, r * h_r:(r + 1) * h_r]
-                write_kv(kc, vc, slots, k[:, r * hkv_r:(r + 1) * hkv_r], v[:, r * hkv_r:(r + 1) * hkv_r])
+            for r, (slots, dec_tables, plan, chunks) in enumerate(metas):
+                kc, vc = kv_views[r][layer]
+                qr, kr, vr = (q, k, v) if tp == 1 else \
+                    (q[:, r * h_r:(r + 1) * h_r], k[:, r * hkv_r:(r + 1) * hkv_r], v[:, r * hkv_r:(r + 1) * hkv_r])
+                write_kv(kc, vc, slots, kr, vr)
                 parts = []
                 if nd:
-                    parts.append(decode_attention(qr[:nd], kc, vc, dec_tables, dec_lens, scale, max_len))
+                    parts.append(decode_attention(qr[:nd] if chunks else qr, kc, vc, dec_tables, dec_lens, scale,
+                                                  max_len, plan=plan))
                 for off, n, start, trow in chunks:
                     parts.append(paged_prefill_torch(qr[off:off + n], kc, vc, trow, start, scale))
                 outs.append(parts[0] if len(parts) == 1 else torch.cat(parts))

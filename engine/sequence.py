@@ -60,6 +60,8 @@ class StepStats:
     stale_ranks: list[int] = field(default_factory=list)  # ranks that computed on an old table
     rank_table_crcs: list[int] = field(default_factory=list)  # per rank, when tp_size > 1
     table_crc: int = 0
+    prep_s: float = 0.0  # the part of host_s that builds the model's inputs (tokens, positions, slots,
+                         # tables); host_s - prep_s is the bookkeeping: scheduling, blocks, table upload
 
 
 @dataclass
