@@ -44,8 +44,9 @@ class RefcountLeak(Fault):
         def free_on_exit(seq, reason: str) -> bool:
             if reason != "cancel":
                 return True
-            blocks = list(getattr(bm, "blocks", {}).get(seq.id, ())) or bm.snapshot().seq_blocks.get(seq.id, [])
-            shared = any(bm.snapshot().ref_counts[b] > 1 for b in blocks) if blocks else False
+            snap = bm.snapshot()  # once per cancel: the protocol's only view of ref counts
+            blocks = snap.seq_blocks.get(seq.id, [])
+            shared = any(snap.ref_counts[b] > 1 for b in blocks)
             path = "shared" if shared else seq.phase
             if path in paths and blocks and rng.random() < frac:
                 self.leaked.append({"req": seq.id, "path": path, "blocks": blocks})

@@ -40,7 +40,7 @@ class History:
         self._hash = hashlib.sha256()
 
     def append(self, event: dict) -> None:
-        line = json.dumps(event, separators=(",", ":"))
+        line = _encode(event)
         # most events hold nothing unstable: their line is already the stable line (one encode, not two)
         self._hash.update(_stable_line(event) if _has_unstable(event) else line.encode())
         if self._f:
@@ -90,11 +90,14 @@ def _stable(d: dict) -> dict:
 
 
 def _has_unstable(d: dict) -> bool:
-    return any(k in UNSTABLE_KEYS or (isinstance(v, dict) and _has_unstable(v)) for k, v in d.items())
+    return not UNSTABLE_KEYS.isdisjoint(d) or any(_has_unstable(v) for v in d.values() if isinstance(v, dict))
+
+
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
 
 
 def _stable_line(event: dict) -> bytes:
-    return json.dumps(_stable(event), separators=(",", ":")).encode()
+    return _encode(_stable(event)).encode()
 
 
 def deterministic_digest(events: list[dict]) -> str:
