@@ -17,7 +17,9 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# max_len and s_tb (the table's row stride) change from step to step in the engine: specializing on
+# them (== 1, % 16 == 0) would compile a new variant of the kernel mid-run each time they cross one.
+@triton.jit(do_not_specialize=["max_len", "s_tb"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2, max_len,

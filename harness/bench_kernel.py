@@ -60,7 +60,9 @@ class CudaTimer:
         for start, end in events:
             self.flush.zero_()
             if hasattr(torch.cuda, "_sleep"):
-                torch.cuda._sleep(100_000)  # ~50 us of GPU time: the kernel is queued before its start event
+                # ~0.5 ms of GPU time (1e6 cycles at ~2 GHz), longer than the host takes to launch fn (tens
+                # of us, two kernels and allocations for a split run): fn is queued before its start event
+                torch.cuda._sleep(1_000_000)
             start.record()
             fn()
             end.record()

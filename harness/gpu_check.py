@@ -42,11 +42,12 @@ LIMITS = {"env": 40, "gpu_tests": 100, "scenarios": 110, "bench_kernel": 75, "st
 FLOOR = {"env": 15, "gpu_tests": 30, "scenarios": 30, "bench_kernel": 30, "staging": 15, "soak": 60}
 DTYPES = ("float32", "float16", "bfloat16")
 SOAK_BUDGET_S = 120
+SOAK_NEEDS = ("rich", "psutil")  # imported by the soak itself, with no fallback
 PACKAGES = {  # distribution -> what needs it
     "pydantic": "scenarios (the scenarios stage, the staging-stall gpu test, soak)",
-    "psutil": "telemetry RSS/CPU (falls back to /proc)",
+    "psutil": "soak; telemetry RSS/CPU (falls back to /proc)",
     "nvidia-ml-py": "GPU telemetry (NVML)",
-    "rich": "tables (plain text without it)",
+    "rich": "soak; tables (plain text without it)",
     "jinja2": "HTML reports (soak, analyze)",
     "matplotlib": "report plots (soak, analyze)",
     "hypothesis": "stateful block-manager tests (CPU)",
@@ -172,6 +173,9 @@ def stage_staging(ctx: dict) -> dict:
 def stage_soak(ctx: dict) -> dict:
     if importlib.util.find_spec("harness.soak") is None:
         return {"status": UNAVAILABLE, "summary": "soak: not available (harness/soak.py is not in this checkout)"}
+    missing = [m for m in SOAK_NEEDS if importlib.util.find_spec(m) is None]  # pydantic: the --help below
+    if missing:
+        return {"status": UNAVAILABLE, "summary": f"soak: not available (it needs {', '.join(missing)})"}
     budget = max(20, min(SOAK_BUDGET_S, int(ctx["limit_s"]) - 30))
     base = [sys.executable, "-m", "harness.cli", "soak"]
     help_ = _run(base + ["--help"], 30, env=ctx["env"])

@@ -13,7 +13,7 @@
 #   env, bench_kernel, staging   nothing
 #   gpu_tests                    pytest (the staging-stall gpu tests also need pydantic; they skip without it)
 #   scenarios                    pydantic; without it the stage says "not available" and the rest runs
-#   soak                         pydantic; jinja2 + matplotlib for its HTML reports
+#   soak                         pydantic, rich, psutil (else "not available"); jinja2 + matplotlib for its HTML reports
 #   telemetry                    nvidia-ml-py for GPU fields, psutil for RSS/CPU (else /proc)
 #   tables                       rich (plain text without it)
 # Missing pydantic: on a machine with network, `pip install --target .deps --python-version 3.12

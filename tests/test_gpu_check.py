@@ -135,3 +135,13 @@ def test_dry_run_budget_spent_skips_and_is_incomplete(tmp_path):
 def test_bad_stage_name_is_refused():
     p = run(["-m", "harness.gpu_check", "--cpu-dry-run", "--stages", "env,nope", "--out", "/tmp/kvchaos-unused"])
     assert p.returncode != 0 and "unknown ['nope']" in p.stderr
+
+
+def test_soak_stage_without_rich_or_psutil_is_not_available(monkeypatch):
+    """The soak imports rich and psutil with no fallback: without them the stage must say so, not fail."""
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("rich", "psutil") else real(name, *a))
+    r = gpu_check.stage_soak({"limit_s": 100, "env": ENV, "device": "cpu", "work": "/tmp/kvchaos-unused",
+                              "started": 0.0})
+    assert r == {"status": "not available", "summary": "soak: not available (it needs rich, psutil)"}
