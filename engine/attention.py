@@ -6,10 +6,24 @@ table[p // block_size] * block_size + p % block_size.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+@contextmanager
+def deterministic_writes():
+    """Scatters where several writes hit one slot (a spilled row writing over a neighbour's) land in
+    an unspecified order on CUDA; PyTorch's deterministic index_put keeps replays byte-identical.
+    The CPU's is sequential already (the last write wins either way)."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -17,8 +31,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     """Scatter new K/V ([n, kv_heads, head_dim]) into their slots. A negative slot (an unmapped
     table entry read by a buggy caller) wraps to the end of the pool, as a raw kernel would."""
     nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d)[slots] = k
-    v_cache.view(nb * bs, hkv, d)[slots] = v
+    with deterministic_writes() if k_cache.is_cuda else nullcontext():
+        k_cache.view(nb * bs, hkv, d)[slots] = k
+        v_cache.view(nb * bs, hkv, d)[slots] = v
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine, _decode_backend
-from engine.errors import KVChaosError
+from engine.errors import ConfigError, KVChaosError
 from engine.model import Model
 from engine.ranks import VirtualRank
 
@@ -80,8 +80,9 @@ def _backend(device: torch.device) -> str:
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
+    """One GPU per rank: a launcher's LOCAL_RANK, else the configured GPU plus the rank."""
     d = torch.device(device)
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if d.type == "cuda" else d
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", (d.index or 0) + rank))) if d.type == "cuda" else d
 
 
 def config_from_dict(d: dict) -> EngineConfig:
@@ -423,13 +424,16 @@ class Cluster:
             base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                  timeout=dt.timedelta(seconds=STARTUP_S))
         else:
+            if backend == "nccl" and dev.index + world > torch.cuda.device_count():
+                raise ConfigError(f"{world} NCCL ranks need one GPU each from cuda:{dev.index}; "
+                                  f"this machine has {torch.cuda.device_count()} (use --tp-mode simulated)")
             base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                  timeout=dt.timedelta(seconds=STARTUP_S))
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(base.port), "WORLD_SIZE": str(world),
                    "KVCHAOS_PARENT_PID": str(os.getpid()), "KVCHAOS_RANK_TIMEOUT": str(self.timeout_s)}
             for r in range(1, world):
                 self.procs[r] = subprocess.Popen([sys.executable, "-m", "engine.distributed"],
-                                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+                                                 env={**env, "RANK": str(r), "LOCAL_RANK": str((dev.index or 0) + r)})
         atexit.register(self.close)
         self._base, self.store = base, dist.PrefixStore("kvchaos", base)
         self.key, self.runs = (world, backend), 0

@@ -61,3 +61,19 @@ def test_prefill_chunk_matches_naive():
     row = tables[0].tolist()
     for i in range(n_total - start):
         torch.testing.assert_close(out[i], naive(q[i], kc, vc, row, start + i + 1, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("was", [False, True])
+def test_deterministic_writes_restores_the_global_mode(was):
+    from engine.attention import deterministic_writes, write_kv
+    torch.use_deterministic_algorithms(was)
+    try:
+        kc, vc = torch.zeros(2, BS, HKV, D), torch.zeros(2, BS, HKV, D)
+        k = torch.arange(3 * HKV * D, dtype=torch.float32).view(3, HKV, D)
+        with deterministic_writes():
+            assert torch.are_deterministic_algorithms_enabled()
+            write_kv(kc, vc, torch.tensor([5, 1, 5]), k, k)  # slot 5 written twice: the last write wins
+        assert torch.are_deterministic_algorithms_enabled() is was
+        assert torch.equal(kc.view(-1, HKV, D)[5], k[2]) and torch.equal(kc.view(-1, HKV, D)[1], k[1])
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -149,3 +149,27 @@ def test_a_rank_that_hangs_is_an_error_after_the_timeout_and_is_killed(cluster, 
 def test_world_size_must_divide_the_kv_heads():
     r = run_scenario(load_scenario("ordering-race-clean"), 0, report_dir=None, tp_mode="distributed", world_size=3)
     assert r.verdict == "ERROR" and "engine.tp_size" in r.results["error"]["message"]
+
+
+def test_rank_devices_follow_the_configured_gpu(monkeypatch):
+    from engine.distributed import _rank_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _rank_device("cuda:1", 0) == torch.device("cuda", 1)
+    assert _rank_device("cuda:1", 2) == torch.device("cuda", 3)
+    assert _rank_device("cuda", 1) == torch.device("cuda", 1)
+    assert _rank_device("cpu", 3) == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "5")  # a launcher placed this rank
+    assert _rank_device("cuda:1", 2) == torch.device("cuda", 5)
+
+
+def test_nccl_ranks_beyond_the_gpus_are_refused_before_any_process_starts(monkeypatch):
+    from engine.errors import ConfigError
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cluster = Cluster()
+    with pytest.raises(ConfigError, match=r"2 NCCL ranks need one GPU each from cuda:0; this machine has 1"):
+        cluster._start(2, torch.device("cuda", 0))
+    assert not cluster.procs
