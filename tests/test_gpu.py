@@ -165,7 +165,9 @@ def test_nvml_telemetry_has_gpu_fields():
     torch.ones(1, device="cuda")
     s = tel.sample()
     assert s["gpu_mem_used_mb"] > 0 and s["rss_mb"] > 0
-    assert 0 <= s["gpu_util_pct"] <= 100 and s["sm_clock_mhz"] > 0 and 0 < s["temp_c"] < 120
+    ranges = {"gpu_util_pct": (0, 100), "sm_clock_mhz": (1, 10_000), "temp_c": (1, 119), "power_w": (0, 2000)}
+    for name, (lo, hi) in ranges.items():  # a board (or a sandbox) may not report some: named, not faked
+        assert name in tel.unsupported or lo <= s[name] <= hi, (name, s.get(name))
     assert "torch_alloc_mb" in s and tel.status()["gpu"]
 
 
