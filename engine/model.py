@@ -69,17 +69,18 @@ class Model:
         return F.linear(_rms_norm(hidden, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
 
     def forward_contiguous(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The oracle's path: one causal pass over a whole sequence with plain SDPA on contiguous
-        K/V (GQA by repeating heads). tokens [T] -> logits [T, vocab] float32."""
+        """The oracle's path: one causal pass over whole sequences with plain SDPA on contiguous K/V
+        (GQA by repeating heads). tokens [R, T] (rows right-padded: under a causal mask a padded
+        tail never reaches the positions before it) -> hidden states [R, T, hidden] (before the
+        final norm: logits() on the rows wanted)."""
+        r, t = tokens.shape
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-            # 4-D [1, H, T, D]: 3-D inputs take SDPA's slow math path on the CPU (~4x at 512 tokens)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
-                                               v.transpose(0, 1)[None].float(), is_causal=True, scale=self.scale)
-            return o[0].transpose(0, 1).to(q.dtype)
+            q, k, v = (x.view(r, t, x.shape[1], x.shape[2]).transpose(1, 2).float() for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
+                                               is_causal=True, scale=self.scale)  # [R, H, T, D]
+            return o.transpose(1, 2).reshape(r * t, o.shape[1], o.shape[3]).to(self.cfg.torch_dtype)
 
-        positions = torch.arange(tokens.numel(), device=self.device)
-        return self.logits(self.forward(tokens, positions, attend))
+        positions = torch.arange(t, device=self.device).repeat(r)
+        return self.forward(tokens.reshape(-1), positions, attend).view(r, t, -1)

@@ -88,21 +88,29 @@ def cmd_run(args) -> int:
         load_object(args.block_manager)  # a bad --block-manager is bad input (exit 2), not an ERROR per run
     jobs = [(s, seed) for s in scs for seed in (seeds or s.scenario.seeds)]
     results = []
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=args.quiet) as progress, Cluster() as cluster:
-        task = progress.add_task("running", total=len(jobs))
-        for sc, seed in jobs:
-            progress.update(task, description=f"{sc.name} seed {seed}")
-            r = run_scenario(sc, seed, device=device, report_dir=Path(args.report_dir),
-                             block_manager_spec=args.block_manager, timeout_s=args.timeout, tp_mode=args.tp_mode,
-                             world_size=args.world_size, cluster=cluster)
-            results.append(r)
-            if r.results.get("reason") == "interrupted":  # Ctrl-C: stop here, the run's record is on disk
-                break
-            if r.verdict != PASS and not args.quiet:
-                progress.console.print(f"[red]{r.verdict}[/] {sc.name} seed {seed}: {r.summary}\n"
-                                       f"  replay: {r.results['replay']}  run: {r.run_dir}")
-            progress.advance(task)
+    try:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True, disable=args.quiet) as progress, Cluster() as cluster:
+            task = progress.add_task("running", total=len(jobs))
+            for sc, seed in jobs:
+                progress.update(task, description=f"{sc.name} seed {seed}")
+                r = run_scenario(sc, seed, device=device, report_dir=Path(args.report_dir),
+                                 block_manager_spec=args.block_manager, timeout_s=args.timeout, tp_mode=args.tp_mode,
+                                 world_size=args.world_size, cluster=cluster, index=False)
+                results.append(r)
+                if r.results.get("reason") == "interrupted":  # Ctrl-C: stop here, the run's record is on disk
+                    break
+                if r.verdict != PASS and not args.quiet:
+                    progress.console.print(f"[red]{r.verdict}[/] {sc.name} seed {seed}: {r.summary}\n"
+                                           f"  replay: {r.results['replay']}  run: {r.run_dir}")
+                progress.advance(task)
+    finally:
+        if results:  # once for the batch, whatever stopped it
+            from harness.report import update_index
+            try:
+                update_index(Path(args.report_dir), newest=results[-1].run_dir)
+            except OSError as e:  # the runs are on disk; only the listing is stale
+                console.print(f"[yellow]could not update {args.report_dir}/index.html: {e}[/]")
     _print_table(console, results, args.quiet)
     if results[-1].results.get("reason") == "interrupted":
         raise KeyboardInterrupt

@@ -59,6 +59,14 @@ def _report_dir(config) -> Path:
     return config._kvchaos_tmp
 
 
+def pytest_sessionfinish(session) -> None:
+    newest = getattr(session.config, "_kvchaos_newest", None)
+    if newest is not None:  # the report index, once for the session's scenario runs
+        from harness.report import update_index
+
+        update_index(newest.parent, newest=newest)
+
+
 def pytest_collect_file(file_path: Path, parent):
     from harness.scenario import is_scenario_file
 
@@ -116,7 +124,8 @@ class ScenarioItem(pytest.Item):
             if not torch.cuda.is_available():
                 pytest.skip("needs a CUDA GPU")
         r = run_scenario(self.scenario, self.seed, device=device, report_dir=_report_dir(self.config),
-                         block_manager_spec=self.config.getoption("--kvchaos-block-manager"))
+                         block_manager_spec=self.config.getoption("--kvchaos-block-manager"), index=False)
+        self.config._kvchaos_newest = r.run_dir
         self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
         if r.results.get("reason") == "interrupted":  # Ctrl-C stops the session, not just this run
             raise KeyboardInterrupt

@@ -745,11 +745,11 @@ def update_index(report_dir: Path | str, newest: Path | None = None) -> Path:
         rows=rows[:INDEX_ROWS], counts=counts, total=len(rows)))
     target = Path(newest).name if newest is not None else (rows[0]["dir"] if rows else None)
     if target:
-        _point_latest(report_dir, target)
+        point_latest(report_dir, target)
     return report_dir / "index.html"
 
 
-def _point_latest(report_dir: Path, target: str) -> None:
+def point_latest(report_dir: Path, target: str) -> None:
     link = report_dir / "latest"
     tmp = report_dir / f".latest.{os.getpid()}.tmp"
     try:

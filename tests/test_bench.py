@@ -18,7 +18,7 @@ METRICS = {
     "build_1m_blockmanager_s", "decode_bookkeeping_us", "engine_decode_b1_steps_per_s", "engine_host_share_b1",
     "engine_bookkeeping_share_b1", "engine_decode_b8_ctx512_steps_per_s", "engine_host_share_b8_ctx512",
     "engine_bookkeeping_share_b8_ctx512", "paged_vs_contiguous_b8_ctx512",
-    "harness_overhead_suite",
+    "harness_checking_suite", "harness_overhead_suite",
 }
 SHARES = {"engine_host_share_b1", "engine_host_share_b8_ctx512", "engine_bookkeeping_share_b1",
           "engine_bookkeeping_share_b8_ctx512"}

@@ -183,3 +183,20 @@ def test_ctrl_c_stops_the_run_and_keeps_the_record(capsys, tmp_path, monkeypatch
     (only,) = run_dirs(tmp_path)  # the first run, and nothing after it
     res = json.loads((only / "results.json").read_text())
     assert res["reason"] == "interrupted" and res["steps"] == 2
+    # the batch's index is still written, with the interrupted run in it
+    assert list(json.loads((tmp_path / "index.json").read_text())) == [only.name]
+    assert (tmp_path / "latest").resolve() == only.resolve()
+
+
+def test_a_batch_builds_the_index_once_with_every_run(capsys, tmp_path, monkeypatch):
+    from harness import report
+
+    calls = []
+    real = report.update_index
+    monkeypatch.setattr(report, "update_index", lambda *a, **k: calls.append(a) or real(*a, **k))
+    rc, _, _ = cli(capsys, "run", "baseline-clean", "--seeds", "3", "--report-dir", tmp_path, "-q")
+    assert rc == 0 and len(calls) == 1
+    dirs = run_dirs(tmp_path)
+    assert sorted(json.loads((tmp_path / "index.json").read_text())) == [d.name for d in dirs] and len(dirs) == 3
+    html = (tmp_path / "index.html").read_text()
+    assert all(d.name in html for d in dirs)

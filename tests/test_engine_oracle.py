@@ -324,3 +324,27 @@ def test_tensor_parallel_ranks_match_single_rank():
         torch.testing.assert_close(torch.stack(d2.logits[rid]), torch.stack(d1.logits[rid]), atol=1e-5, rtol=1e-5)
     d2.check_oracle()
     assert_all_free(e2)
+
+
+def test_batched_oracle_checks_equal_one_by_one_and_pinpoint_a_corrupt_row():
+    """check_many pads requests of different lengths into shared passes: each result must match
+    check() on that request alone (to float rounding: other matmul shapes), and a wrong row in one
+    request must not leak into another."""
+    eng = Driver(make_engine(), make_workload(11, 9, prompt=(1, 30), out=(1, 12))).run()
+    oracle = Oracle(eng.engine.model)
+    items = [(s.id, s.tokens, s.prompt_len, torch.stack(eng.logits[s.id])) for s in eng.engine.seqs.values()
+             if eng.logits.get(s.id)]
+    lens = {len(it[1]) for it in items}
+    assert len(items) >= 6 and len(lens) >= 4  # several lengths: several padded groups
+    alone = [oracle.check(*it) for it in items]
+    for got, one in zip(oracle.check_many(items), alone):
+        assert (got.request, got.checked, got.first_divergence) == (one.request, one.checked, None)
+        assert got.max_abs_err == pytest.approx(one.max_abs_err, abs=1e-6)
+    victim = max(range(len(items)), key=lambda i: items[i][3].shape[0])
+    bad = items[victim][3].clone()
+    bad[-1, 0] += 1.0
+    items[victim] = (*items[victim][:3], bad)
+    got = oracle.check_many(items + [(items[0][0], items[0][1], items[0][2], items[0][3][:0])])
+    assert got[victim].first_divergence == bad.shape[0] - 1
+    assert all(r.first_divergence is None for i, r in enumerate(got[:-1]) if i != victim)
+    assert got[-1].checked == 0  # no rows: nothing to check

@@ -114,6 +114,10 @@ def test_runs_pass_and_reports_land_in_the_report_dir(suite):
     res.assert_outcomes(passed=3)
     dirs = [p for p in report.iterdir() if p.is_dir() and not p.is_symlink()]
     assert len(dirs) == 3 and all((d / "results.json").exists() for d in dirs)
+    # the index is built once, at the session's end, and lists every run; latest is the newest
+    index = json.loads((report / "index.json").read_text())
+    assert sorted(index) == sorted(d.name for d in dirs)
+    assert (report / "index.html").is_file() and (report / "latest").resolve() in {d.resolve() for d in dirs}
 
 
 def test_failing_item_says_verdict_evidence_and_replay_and_junit_has_properties(suite):
