@@ -283,7 +283,7 @@ def _execute(job: dict, run_scenario, load_scenario) -> dict:
     if job["op"] == "replay":
         r = run_scenario(sc, job["seed"], job["device"], None, timeout_s=job["timeout_s"])
         return {"digest": r.results["history_digest"], "verdict": r.verdict}
-    r = run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"])
+    r = run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"], index=False)
     (r.run_dir / "scenario.json").write_text(json.dumps(job["scenario"], indent=1))
     res = r.results
     return {"run_dir": str(r.run_dir), "verdict": r.verdict, "summary": r.summary, "steps": res["steps"],
@@ -578,6 +578,9 @@ class Soak:
                          shard=f"{self.shard[0]}/{self.shard[1]}", seed_start=self.seed_start, runs=self.runs,
                          exit_code=code, folder=str(self.dir))
         self.ledger.close()
+        if (self.dir / "runs").is_dir():  # the kept runs' index, once (not after every run of the night)
+            from harness.report import update_index
+            update_index(self.dir / "runs")
         summary = self.summary(elapsed, code)
         (self.dir / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
         (self.dir / "soak-summary.md").write_text(render_md(summary), encoding="utf-8")

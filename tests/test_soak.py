@@ -151,6 +151,8 @@ def test_short_soak_kills_an_injected_hang_and_goes_on(tmp_path):
     checked = [r[6] for r in rows if r[6]]
     assert "identical" in checked and set(checked) <= {"identical", "cut"}
     assert db.execute("SELECT runs, exit_code FROM soaks").fetchall() == [(s["runs"], s["exit_code"])]
+    # the kept runs' index is built once at the end and lists every one of them
+    assert sorted(json.loads((folder / "runs" / "index.json").read_text())) == sorted(Path(r[2]).name for r in rows)
     inc = {tuple(i["fingerprint"][:3]): i for i in s["incidents"]}
     timeout = [i for fp, i in inc.items() if fp[0] == "ERROR" and fp[2] == "runner"]
     assert timeout and timeout[0]["first_seed"] == 5
