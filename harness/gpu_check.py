@@ -1,5 +1,6 @@
 """The prepared GPU check: one command on a CUDA machine (H100/H200 class) that finishes inside its
-budget (default 480 s) and leaves a JSON and a Markdown summary.
+budget (default 450 s: under 8 minutes with start-up and the summaries) and leaves a JSON and a
+Markdown summary.
 
 Stages, each in its own process under its own time limit, so one that fails, hangs or crashes the
 CUDA context loses nothing else:
@@ -466,7 +467,8 @@ def markdown(r: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="reports/gpu-check", help="where the summaries go (default: reports/gpu-check)")
     p.add_argument("--work-dir", default=None, help="run folders and stage results (default: OUT/work)")
-    p.add_argument("--budget-s", type=float, default=480, help="total time budget in seconds (default 480)")
+    p.add_argument("--budget-s", type=float, default=450,
+                   help="total time budget in seconds (default 450: under 8 minutes in all)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--stage-limit", action="append", metavar="STAGE=S", help="override one stage's time limit")
     p.add_argument("--scenario", action="append", help="only these scenarios (default: every built-in)")

@@ -2,7 +2,7 @@
 # The prepared GPU check, run from anywhere in a kvchaos checkout on a CUDA machine, with only the
 # preinstalled torch, triton, pytest and nvidia-ml-py: no network, no pip install.
 #
-#   OUT=/path/for/summaries scripts/gpu-check.sh [gpu-check flags, e.g. --budget-s 480 --quick]
+#   OUT=/path/for/summaries scripts/gpu-check.sh [gpu-check flags, e.g. --budget-s 450 --quick]
 #
 # Leaves gpu-check.json, gpu-check.md, gpu-check.log, gpu-tests.xml and bench-kernel.json in $OUT
 # (run folders go to $WORK, default /tmp/kvchaos-gpu-check, so $OUT stays small).
