@@ -17,7 +17,7 @@ import torch.nn.functional as F
 def deterministic_writes():
     """Scatters where several writes hit one slot (a spilled row writing over a neighbour's) land in
     an unspecified order on CUDA; PyTorch's deterministic index_put keeps replays byte-identical.
-    The CPU's is sequential already (the last write wins either way)."""
+    On the CPU the engine's writes are a few rows on one thread (kvchaos pins torch to one): in order."""
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -53,27 +53,39 @@ class DecodePlan(NamedTuple):
     mask: torch.Tensor | None  # additive float32 [B, 1, 1, T]; None when every row is T long
 
 
+def decode_blocks(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
+    """The block ids a step's decode gathers: [B * nblk], an unmapped (-1) entry read as block 0."""
+    nblk = -(-max_len // block_size)
+    return (block_tables if block_tables.shape[1] == nblk else block_tables[:, :nblk]).clamp(min=0).view(-1)
+
+
+def decode_mask(seq_lens: torch.Tensor, max_len: int, min_len: int | None = None) -> torch.Tensor | None:
+    """Additive float32 [B, 1, 1, max_len], -inf past each row's length; None when min_len (the
+    shortest length, known on the host) says every row is max_len long."""
+    if min_len is not None and min_len >= max_len:
+        return None
+    past_end = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    return torch.zeros(past_end.shape, device=seq_lens.device).masked_fill_(past_end, float("-inf"))[:, None, None]
+
+
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 max_seq_len: int | None = None, min_seq_len: int | None = None) -> DecodePlan:
     """max_seq_len / min_seq_len: the longest / shortest seq_len when the caller knows them on the
-    host (no device sync); read from seq_lens otherwise."""
-    t = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    shortest = int(seq_lens.min()) if min_seq_len is None else min_seq_len
-    nblk = -(-t // block_size)
-    blocks = (block_tables if block_tables.shape[1] == nblk else block_tables[:, :nblk]).clamp(min=0).view(-1)
-    mask = None
-    if shortest < t:
-        past_end = torch.arange(t, device=seq_lens.device)[None, :] >= seq_lens[:, None]
-        mask = torch.zeros(past_end.shape, device=seq_lens.device).masked_fill_(past_end, float("-inf"))[:, None, None]
-    return DecodePlan(blocks, t, mask)
+    host; with neither, both are read from seq_lens (a device sync); with max_seq_len alone the
+    mask is built whatever the lengths (no sync)."""
+    if max_seq_len is None:
+        max_seq_len, min_seq_len = int(seq_lens.max()), int(seq_lens.min())
+    return DecodePlan(decode_blocks(block_tables, block_size, max_seq_len), max_seq_len,
+                      decode_mask(seq_lens, max_seq_len, min_seq_len))
 
 
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       max_seq_len: int | None = None, plan: DecodePlan | None = None) -> torch.Tensor:
+                       max_seq_len: int | None = None, *, plan: DecodePlan | None = None) -> torch.Tensor:
     """One query token per sequence. q: [B, H, D]; block_tables: int32 [B, W];
     seq_lens: int [B], context length including the current token. Returns [B, H, D].
-    plan: plan_decode's result for these tables and lengths, when the caller shares one across layers."""
+    plan: one plan for a step's layers (plan_decode, or DecodePlan from decode_blocks and
+    decode_mask): when given, block_tables, seq_lens and max_seq_len are not read again."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     if plan is None:

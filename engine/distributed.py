@@ -391,13 +391,13 @@ class Cluster:
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
-        self.key: tuple | None = None  # (world, backend) while up
+        self.key: tuple | None = None  # (world, backend, first GPU's index) while up
         self.procs: dict[int, subprocess.Popen] = {}
         self.runs = 0
 
     def begin_run(self, cfg: EngineConfig) -> Wire:
         dev = _rank_device(cfg.device, 0)
-        if self.key != (cfg.tp_size, _backend(dev)):
+        if self.key != (cfg.tp_size, _backend(dev), dev.index):  # rank r sits on GPU index + r
             self.close()
             self._start(cfg.tp_size, dev)
         self.runs += 1
@@ -436,7 +436,7 @@ class Cluster:
                                                  env={**env, "RANK": str(r), "LOCAL_RANK": str((dev.index or 0) + r)})
         atexit.register(self.close)
         self._base, self.store = base, dist.PrefixStore("kvchaos", base)
-        self.key, self.runs = (world, backend), 0
+        self.key, self.runs = (world, backend, dev.index), 0
         try:
             self.store.set("group", backend)
             deadline = time.monotonic() + STARTUP_S

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
+from engine.attention import DecodePlan, decode_blocks, decode_mask, paged_decode_torch, paged_prefill_torch, write_kv
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, RequestRejected
@@ -330,7 +330,12 @@ class Engine:
         tokens, positions = meta[:nt], meta[nt:2 * nt]
         max_len = max(dec_pos) + 1 if nd else 0
         if nd:
-            dec_lens, dec_base, dec_ent, dec_off = meta[2 * nt:].view(4, nd).unbind()  # int64 lens: both backends take them
+            dec_lens, dec_base, dec_ent, dec_off = meta[2 * nt:].view(4, nd).unbind()
+            torch_path = self.decode_attention is paged_decode_torch
+            if torch_path:  # the mask every rank and layer shares (None when all rows are max_len long)
+                mask = decode_mask(dec_lens, max_len, min(dec_pos) + 1)
+            else:  # the kernel's dtype, converted once per step rather than per layer
+                dec_lens = dec_lens.to(torch.int32)
             nblk_dec = -(-max_len // bs)
             dec_idx = torch.add(dec_base.unsqueeze(1), self._arange(nblk_dec)).view(-1)  # [nd * nblk_dec] entries
             hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
@@ -343,8 +348,8 @@ class Engine:
                 di, de = (dec_idx, dec_ent) if hi <= last else (dec_idx.clamp(max=last), dec_ent.clamp(max=last))
                 dec_tables = flat.index_select(0, di).view(nd, nblk_dec)
                 slots.append(torch.add(dec_off, flat.index_select(0, de), alpha=bs))  # block * bs + offset, int64
-                if self.decode_attention is paged_decode_torch:
-                    plan = plan_decode(dec_tables, dec_lens, bs, max_len, min(dec_pos) + 1)
+                if torch_path:
+                    plan = DecodePlan(decode_blocks(dec_tables, bs, max_len), max_len, mask)
             off = nd
             for s, n in prefill:
                 start = s.num_computed

@@ -132,7 +132,7 @@ def _auto_splits(q: torch.Tensor, work_items: int, num_chunks: int) -> int:
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        max_seq_len: int | None = None, plan=None, num_splits: int | None = None) -> torch.Tensor:
+                        max_seq_len: int | None = None, *, plan=None, num_splits: int | None = None) -> torch.Tensor:
     """Same contract as paged_decode_torch: q [B, H, D]; caches [num_blocks, block_size, H_kv, D];
     block_tables int32 [B, W] (any row stride); seq_lens int [B] (>= 1, includes the current
     token). Attends to min(seq_len, max_seq_len) tokens. Returns [B, H, D] in q's dtype. plan is

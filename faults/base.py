@@ -86,6 +86,12 @@ class Fault:
     defaults: dict = {}
     domains: dict = {}  # param -> Num / Bool / ListOf: what values it takes (same keys as defaults)
 
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if set(cls.domains) != set(cls.defaults):  # a fault's author learns at import, not from a KeyError
+            raise TypeError(f"fault {cls.name or cls.__name__}: domains {sorted(cls.domains)} must name exactly "
+                            f"the params of defaults {sorted(cls.defaults)}")
+
     @classmethod
     def check_params(cls, params: dict, engine_config=None) -> dict:
         """The params over the defaults, or a ParamError: an unknown name, a value outside its

@@ -109,8 +109,8 @@ def cmd_run(args) -> int:
             from harness.report import update_index
             try:
                 update_index(Path(args.report_dir), newest=results[-1].run_dir)
-            except OSError as e:  # the runs are on disk; only the listing is stale
-                console.print(f"[yellow]could not update {args.report_dir}/index.html: {e}[/]")
+            except Exception as e:  # the runs are on disk; only the listing is stale
+                console.print(f"[yellow]could not update {args.report_dir}/index.html: {type(e).__name__}: {e}[/]")
     _print_table(console, results, args.quiet)
     if results[-1].results.get("reason") == "interrupted":
         raise KeyboardInterrupt

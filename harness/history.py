@@ -17,7 +17,9 @@ Kinds and their fields:
   engine     kind (cow | staging_realloc | ...), data
   fault      fault, kind ("armed" | "trigger" | "fired"), detail
   oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
-             tolerance, divergence_step (engine step of the first divergent token, or null)
+             tolerance, divergence_step (engine step of the first divergent token, or null); step is
+             the step the request stopped producing tokens. Written when checked: requests are
+             checked in batches as they finish or are cancelled, and the rest when the run ends
   error      error, message, traceback
   run_end    reason (done | max_steps | interrupted | error), counters, fault_verify
 """

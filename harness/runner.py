@@ -30,8 +30,8 @@ from harness.verdict import decide
 from harness.workload import build_plan
 
 DEFAULT_REPORT_DIR = Path("reports")
-# Requests checked by the oracle in one padded pass: per-op cost dominates the reference model,
-# and the queue bounds the logits held (a run's requests reach the oracle by the end either way).
+# Requests that produce no more tokens wait for the oracle in a queue, checked in padded passes
+# of up to this many (the reference model's cost is mostly per op); the rest at the run's end.
 ORACLE_BATCH = 16
 
 
@@ -245,11 +245,12 @@ class _Run:
         return "max_steps"
 
     def finish(self, reason: str) -> dict:
-        # The final state: after the last step's frees and any cancels that came after it.
-        self.snapshot(self.engine.step_count + 1)
+        # The oracle first: what the queue holds is lost if anything after it fails.
         for req in list(self.logits):  # still running at the end: check what they produced
             self._oracle(req, self.engine.step_count)
         self._check_oracle_queue()
+        # The final state: after the last step's frees and any cancels that came after it.
+        self.snapshot(self.engine.step_count + 1)
         verify = {f.name: f.verify() if f.defect else {"planted": False, **f.verify()} for f in self.faults}
         self.h.append({"e": "run_end", "step": self.engine.step_count, "reason": reason,
                        "counters": dict(self.engine.counters), "fault_verify": verify,
@@ -312,6 +313,10 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
     if run is not None:
         try:
             verify = run.finish(reason)
+        except KeyboardInterrupt:  # Ctrl-C while checking: the run's record is still written
+            reason = "interrupted"
+            error = error or {"error": "KeyboardInterrupt", "message": "interrupted by the user", "traceback": ""}
+            history.append({"e": "error", "step": run.engine.step_count, **error})
         except Exception as ex:
             history.append({"e": "error", "step": run.engine.step_count, "error": type(ex).__name__,
                             "message": str(ex), "traceback": traceback.format_exc()})

@@ -578,13 +578,16 @@ class Soak:
                          shard=f"{self.shard[0]}/{self.shard[1]}", seed_start=self.seed_start, runs=self.runs,
                          exit_code=code, folder=str(self.dir))
         self.ledger.close()
-        if (self.dir / "runs").is_dir():  # the kept runs' index, once (not after every run of the night)
-            from harness.report import update_index
-            update_index(self.dir / "runs")
         summary = self.summary(elapsed, code)
         (self.dir / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
         (self.dir / "soak-summary.md").write_text(render_md(summary), encoding="utf-8")
         (self.dir / "soak-summary.html").write_text(render_html(summary), encoding="utf-8")
+        if (self.dir / "runs").is_dir():  # the kept runs' index, once (not after every run of the night)
+            from harness.report import update_index
+            try:
+                update_index(self.dir / "runs")
+            except Exception as e:  # the summary and the runs are written; only their listing is missing
+                print(f"could not write {self.dir / 'runs' / 'index.html'}: {type(e).__name__}: {e}", file=sys.stderr)
         print(render_md(summary, brief=True))
         print(f"summary: {self.dir / 'soak-summary.md'}  ({self.dir / 'soak-summary.html'})")
         return code

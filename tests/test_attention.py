@@ -46,7 +46,9 @@ def test_decode_matches_naive(lens, shared_plan):
 
 def test_plan_masks_only_mixed_lengths():
     _, _, tables = pool_and_tables([8, 8], seed=1)
-    assert plan_decode(tables, torch.tensor([8, 8]), BS).mask is None
+    assert plan_decode(tables, torch.tensor([8, 8]), BS).mask is None  # lengths read from the tensor
+    assert plan_decode(tables, torch.tensor([8, 8]), BS, 8, 8).mask is None  # told on the host
+    assert plan_decode(tables, torch.tensor([8, 8]), BS, 8).mask is not None  # not told: masked, no sync
     plan = plan_decode(tables, torch.tensor([8, 3]), BS)
     assert plan.max_len == 8 and plan.mask is not None
     assert torch.isinf(plan.mask[1, 0, 0, 3:]).all() and not torch.isinf(plan.mask[1, 0, 0, :3]).any()

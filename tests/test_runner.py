@@ -141,6 +141,35 @@ def test_ctrl_c_keeps_what_was_recorded(tiny, tmp_path, monkeypatch):
     assert read_history(r.run_dir / "history.jsonl")[-1]["reason"] == "interrupted"
 
 
+def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end_breaks(tiny, tmp_path, monkeypatch):
+    """The oracle checks requests in batches; a failure at the run's end (here the final snapshot)
+    must not take the queued checks with it, and Ctrl-C while checking still leaves the record."""
+    from harness.runner import _Run
+
+    clean = run_scenario(tiny, 0, report_dir=tmp_path / "clean")
+    checked = {e["req"] for e in read_history(clean.run_dir / "history.jsonl") if e["e"] == "oracle"}
+    assert len(checked) >= 4
+
+    real = _Run.snapshot
+
+    def snapshot(self, step):
+        if step > self.engine.step_count:  # the final one, stamped one past the last step
+            raise RuntimeError("snapshot broke")
+        return real(self, step)
+
+    monkeypatch.setattr(_Run, "snapshot", snapshot)
+    r = run_scenario(tiny, 0, report_dir=tmp_path / "broken")
+    assert r.verdict == "ERROR" and "snapshot broke" in r.summary
+    assert {e["req"] for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "oracle"} == checked
+
+    monkeypatch.setattr(_Run, "snapshot", real)
+    monkeypatch.setattr("harness.oracle.Oracle.check_many", lambda self, items: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = run_scenario(tiny, 0, report_dir=tmp_path / "interrupted")
+    res = results_of(r)
+    assert r.verdict == "ERROR" and res["reason"] == "interrupted"
+    assert read_history(r.run_dir / "history.jsonl")[-1]["error"] == "KeyboardInterrupt"
+
+
 def test_timeout_is_an_error(tiny):
     r = run_scenario(tiny, 0, report_dir=None, timeout_s=1e-9)
     assert r.verdict == "ERROR" and "TimeoutError" in r.summary and "time limit" in r.summary

@@ -297,3 +297,13 @@ def test_lengths_file_missing(tmp_path):
     path = _replay_scenario(tmp_path, "gone.csv")
     msg = load_error(path)
     assert "workload.lengths_file: cannot read" in msg and "gone.csv" in msg
+
+
+def test_a_fault_class_must_give_every_param_a_domain():
+    from faults.base import COUNT, Fault
+
+    with pytest.raises(TypeError, match=r"fault half: domains \['a'\] must name exactly the params of defaults \['a', 'b'\]"):
+        class Half(Fault):  # noqa: F841
+            name = "half"
+            defaults = {"a": 1, "b": 2}
+            domains = {"a": COUNT}
