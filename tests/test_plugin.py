@@ -195,3 +195,12 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
     start = next(json.loads(x) for x in (run / "history.jsonl").read_text().splitlines() if '"run_start"' in x)
     assert start["block_manager"] == "leaky_bm:Leaky"
     suite.runpytest("my_scenarios/clean.toml").assert_outcomes(passed=1)
+
+
+def test_an_index_that_cannot_be_written_fails_no_test(suite):
+    report = suite.path / "reports"
+    (report / "index.html").mkdir(parents=True)  # in the way of the listing
+    res = suite.runpytest("my_scenarios/clean.toml", "--kvchaos-report-dir", str(report))
+    res.assert_outcomes(passed=1)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*kvchaos: could not update*index.html*"])
