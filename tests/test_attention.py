@@ -12,25 +12,31 @@ from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decod
 BS, HKV, G, D = 4, 2, 2, 8
 
 
-def pool_and_tables(lens: list[int], seed: int, width: int = 8):
+def pool_and_tables(lens: list[int], seed: int, bs: int = BS, hkv: int = HKV, d: int = D):
+    """K/V pools and a table whose rows map each sequence's blocks to shuffled pool blocks, -1 after."""
     g = torch.Generator().manual_seed(seed)
-    nb = sum(-(-n // BS) for n in lens) + 3
-    kc, vc = torch.randn(nb, BS, HKV, D, generator=g), torch.randn(nb, BS, HKV, D, generator=g)
+    nb = sum(-(-n // bs) for n in lens) + 3
+    kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
     perm = torch.randperm(nb, generator=g).tolist()
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    tables = torch.full((len(lens), max(-(-n // bs) for n in lens) + 2), -1, dtype=torch.int32)
     for i, n in enumerate(lens):
-        for j in range(-(-n // BS)):
+        for j in range(-(-n // bs)):
             tables[i, j] = perm.pop()
     return kc, vc, tables
 
 
 def naive(q, kc, vc, row, n, scale):
-    """q [H, D] against the first n tokens of row: softmax(q k^T) v, head h reading KV head h // G."""
-    k = torch.stack([kc[row[p // BS], p % BS] for p in range(n)])  # [n, Hkv, D]
-    v = torch.stack([vc[row[p // BS], p % BS] for p in range(n)])
-    kh, vh = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [n, H, D]
-    w = torch.einsum("hd,nhd->hn", q, kh).mul(scale).softmax(-1)
-    return torch.einsum("hn,nhd->hd", w, vh)
+    """q [H, D] against the first n tokens of a table row, in float64: softmax(q k^T) v, query head
+    h reading KV head h // (H / Hkv)."""
+    bs, groups = kc.shape[1], q.shape[0] // kc.shape[2]
+    k = torch.stack([kc[row[p // bs], p % bs] for p in range(n)]).double().repeat_interleave(groups, dim=1)
+    v = torch.stack([vc[row[p // bs], p % bs] for p in range(n)]).double().repeat_interleave(groups, dim=1)
+    w = torch.einsum("hd,nhd->hn", q.double(), k).mul(scale).softmax(-1)
+    return torch.einsum("hn,nhd->hd", w, v)
+
+
+def assert_matches(out, ref):
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("lens", [[5], [8, 8, 8], [1, 7, 13, 4], [16, 3]])
@@ -42,7 +48,7 @@ def test_decode_matches_naive(lens, shared_plan):
     plan = plan_decode(tables, seq_lens, BS, max(lens), min(lens)) if shared_plan else None
     out = paged_decode_torch(q, kc, vc, tables, seq_lens, 0.3, plan=plan)
     for i, n in enumerate(lens):
-        torch.testing.assert_close(out[i], naive(q[i], kc, vc, tables[i].tolist(), n, 0.3), atol=1e-5, rtol=1e-5)
+        assert_matches(out[i], naive(q[i], kc, vc, tables[i].tolist(), n, 0.3))
 
 
 def test_plan_masks_only_mixed_lengths():
@@ -63,7 +69,7 @@ def test_prefill_chunk_matches_naive():
     out = paged_prefill_torch(q, kc, vc, tables[0], start, 0.3)
     row = tables[0].tolist()
     for i in range(n_total - start):
-        torch.testing.assert_close(out[i], naive(q[i], kc, vc, row, start + i + 1, 0.3), atol=1e-5, rtol=1e-5)
+        assert_matches(out[i], naive(q[i], kc, vc, row, start + i + 1, 0.3))
 
 
 @pytest.mark.parametrize("was", [False, True])
@@ -91,31 +97,18 @@ def test_paged_attention_matches_naive_on_random_shapes(data):
     bs, d = data.draw(st.sampled_from([1, 2, 4, 8])), data.draw(st.sampled_from([2, 4, 8]))
     lens = data.draw(st.lists(st.integers(1, 20), min_size=1, max_size=5))
     seed = data.draw(st.integers(0, 2**16))
-    gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // bs) for n in lens) + 1
-    nb = sum(-(-n // bs) for n in lens) + 2
-    kc, vc = torch.randn(nb, bs, hkv, d, generator=gen), torch.randn(nb, bs, hkv, d, generator=gen)
-    perm = torch.randperm(nb, generator=gen).tolist()
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-    for i, n in enumerate(lens):
-        for j in range(-(-n // bs)):
-            tables[i, j] = perm.pop()
-
-    def ref(q, row, n):  # [H, D] against the first n tokens of a table row, in float64
-        k = torch.stack([kc[row[p // bs], p % bs] for p in range(n)]).double().repeat_interleave(g, dim=1)
-        v = torch.stack([vc[row[p // bs], p % bs] for p in range(n)]).double().repeat_interleave(g, dim=1)
-        return torch.einsum("hn,nhd->hd", torch.einsum("hd,nhd->hn", q.double(), k).mul(0.5).softmax(-1), v)
-
+    kc, vc, tables = pool_and_tables(lens, seed, bs, hkv, d)
+    gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * g, d, generator=gen)
     seq_lens = torch.tensor(lens)
     plans = (None, plan_decode(tables, seq_lens, bs, max(lens), min(lens)), plan_decode(tables, seq_lens, bs, max(lens)))
     for plan in plans:
         out = paged_decode_torch(q, kc, vc, tables, seq_lens, 0.5, plan=plan)
         for i, n in enumerate(lens):
-            torch.testing.assert_close(out[i].double(), ref(q[i], tables[i].tolist(), n), atol=2e-5, rtol=2e-5)
+            assert_matches(out[i], naive(q[i], kc, vc, tables[i].tolist(), n, 0.5))
     n_total = lens[0]
     start = data.draw(st.integers(0, n_total - 1))
     qp = torch.randn(n_total - start, hkv * g, d, generator=gen)
     out = paged_prefill_torch(qp, kc, vc, tables[0], start, 0.5)
     for i in range(n_total - start):
-        torch.testing.assert_close(out[i].double(), ref(qp[i], tables[0].tolist(), start + i + 1), atol=2e-5, rtol=2e-5)
+        assert_matches(out[i], naive(qp[i], kc, vc, tables[0].tolist(), start + i + 1, 0.5))
