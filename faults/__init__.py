@@ -1,5 +1,5 @@
 """The four failure modes of the source article, each with a trigger and a plantable defect."""
-from faults.base import Fault, ParamError
+from faults.base import Fault, ParamError  # noqa: F401  ParamError: for harness.scenario
 from faults.ordering_race import OrderingRace
 from faults.refcount_leak import RefcountLeak
 from faults.staging_stall import StagingStall

@@ -2,7 +2,7 @@
 cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains."""
 from __future__ import annotations
 
-from faults.base import FRACTION, STEP, Fault, ListOf, Num
+from faults.base import FRACTION, Fault, ListOf, Num
 from harness.workload import Action
 
 PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
