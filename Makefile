@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	rm -rf kvchaos.egg-info  # else pytest, run here, reads it as the installed distribution
 	touch $@
 
 run: setup

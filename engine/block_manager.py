@@ -14,9 +14,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from engine.block_table import BlockTable
-from engine.errors import OutOfBlocks, TableOverflow
-from engine.protocols import Snapshot
+from kvchaos.engine.block_table import BlockTable
+from kvchaos.engine.errors import OutOfBlocks, TableOverflow
+from kvchaos.engine.protocols import Snapshot
 
 
 class BlockPool:

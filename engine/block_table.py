@@ -9,7 +9,7 @@ from array import array
 
 import torch
 
-from engine.errors import TableOverflow
+from kvchaos.engine.errors import TableOverflow
 
 UNUSED = -1
 

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from engine.errors import ConfigError
+from kvchaos.engine.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OVERFLOW_POLICIES = ("reject", "resize")
@@ -99,7 +99,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_prefill_tokens: int = 256  # per-step prefill budget: longer prompts prefill in chunks
     tp_size: int = 1  # tensor-parallel ranks, each holding its own copy of the block table
-    tp_mode: str = "simulated"  # ranks in this process (engine.ranks), or real processes (engine.distributed)
+    tp_mode: str = "simulated"  # ranks in this process (kvchaos.engine.ranks), or real processes (kvchaos.engine.distributed)
 
     def __post_init__(self) -> None:
         _require(self.attention_backend in BACKENDS, "engine.attention_backend",

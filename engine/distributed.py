@@ -1,5 +1,5 @@
 """Real tensor-parallel ranks on torch.distributed (`tp_mode = "distributed"`): gloo between CPU
-processes, NCCL with one GPU per rank. The in-process simulation (engine.ranks) stays the default.
+processes, NCCL with one GPU per rank. The in-process simulation (kvchaos.engine.ranks) stays the default.
 
 Rank 0 is the in-process Engine (scheduler, block manager, outputs) unchanged but for where its
 table upload, batch and attention go. Every rank holds its own copy of the flat block table and the
@@ -24,7 +24,7 @@ A rank that dies or stops answering fails a collective on rank 0 (a closed conne
 the group's timeout). Rank 0 names it (exit status, the error it posted, or the progress it last
 reported), kills the other followers and raises RankFailure, which the runner records as ERROR.
 
-Followers are launched by rank 0 (`python -m engine.distributed`, the torchrun environment) or
+Followers are launched by rank 0 (`python -m kvchaos.engine.distributed`, the torchrun environment) or
 by torchrun itself, where ranks > 0 call serve(). They idle on the store between runs.
 """
 from __future__ import annotations
@@ -43,12 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine import Engine, _decode_backend
-from engine.errors import ConfigError, KVChaosError
-from engine.model import Model
-from engine.ranks import VirtualRank
+from kvchaos.engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
+from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvchaos.engine.engine import Engine, _decode_backend
+from kvchaos.engine.errors import ConfigError, KVChaosError
+from kvchaos.engine.model import Model
+from kvchaos.engine.ranks import VirtualRank
 
 STEP, END = 1, 2
 HEAD = 9  # op, step, version, sync; then how many tokens, decode rows, prefill chunks, copies, table updates
@@ -432,7 +432,7 @@ class Cluster:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(base.port), "WORLD_SIZE": str(world),
                    "KVCHAOS_PARENT_PID": str(os.getpid()), "KVCHAOS_RANK_TIMEOUT": str(self.timeout_s)}
             for r in range(1, world):
-                self.procs[r] = subprocess.Popen([sys.executable, "-m", "engine.distributed"],
+                self.procs[r] = subprocess.Popen([sys.executable, "-m", "kvchaos.engine.distributed"],
                                                  env={**env, "RANK": str(r), "LOCAL_RANK": str((dev.index or 0) + r)})
         atexit.register(self.close)
         self._base, self.store = base, dist.PrefixStore("kvchaos", base)

@@ -14,21 +14,21 @@ import zlib
 
 import torch
 
-from engine.attention import DecodePlan, decode_blocks, decode_mask, paged_decode_torch, paged_prefill_torch, write_kv
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest, RequestRejected
-from engine.model import Model
-from engine.protocols import BlockManagerProtocol
-from engine.ranks import RankGroup
-from engine.seams import Seams
-from engine.sequence import Sequence, State, StepOutput, StepStats
-from engine.staging import StagingBuffer
+from kvchaos.engine.attention import DecodePlan, decode_blocks, decode_mask, paged_decode_torch, paged_prefill_torch, write_kv
+from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.config import EngineConfig
+from kvchaos.engine.errors import InvalidRequest, RequestRejected
+from kvchaos.engine.model import Model
+from kvchaos.engine.protocols import BlockManagerProtocol
+from kvchaos.engine.ranks import RankGroup
+from kvchaos.engine.seams import Seams
+from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
+from kvchaos.engine.staging import StagingBuffer
 
 
 def _decode_backend(name: str):
     if name == "triton":
-        from engine.triton_decode import paged_decode_triton
+        from kvchaos.engine.triton_decode import paged_decode_triton
         return paged_decode_triton
     return paged_decode_torch
 
@@ -42,7 +42,7 @@ class Engine:
         self.bm = block_manager if block_manager is not None else BlockManager(
             cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
         if not isinstance(self.bm, BlockManagerProtocol):
-            raise TypeError(f"{type(self.bm).__name__} does not implement engine.protocols.BlockManagerProtocol")
+            raise TypeError(f"{type(self.bm).__name__} does not implement kvchaos.engine.protocols.BlockManagerProtocol")
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = _decode_backend(config.resolved_backend())

@@ -1,11 +1,11 @@
 """The BlockManager protocol: what the engine needs from a block manager, so a user's own can run
 under kvchaos (`--block-manager module:attr`). The reference implementation is
-engine.block_manager.BlockManager.
+kvchaos.engine.block_manager.BlockManager.
 
 Contract, in words:
 - Sequences are keyed by string ids. `append(seq, n)` reserves slots for n more tokens (a new id
   starts a sequence) and returns the (src, dst) block copies the engine must apply for
-  copy-on-write; it is atomic: it raises engine.errors.OutOfBlocks and changes nothing when
+  copy-on-write; it is atomic: it raises kvchaos.engine.errors.OutOfBlocks and changes nothing when
   the pool cannot cover it.
 - `blocks_needed(seq, n)` is how many free blocks append(seq, n) would take (copy-on-write
   included); `num_free_rows` how many more sequences can start.

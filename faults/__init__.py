@@ -1,9 +1,9 @@
 """The four failure modes of the source article, each with a trigger and a plantable defect."""
-from faults.base import Fault, ParamError  # noqa: F401  ParamError: for harness.scenario
-from faults.ordering_race import OrderingRace
-from faults.refcount_leak import RefcountLeak
-from faults.staging_stall import StagingStall
-from faults.table_overflow import TableOverflow
+from kvchaos.faults.base import Fault, ParamError  # noqa: F401  ParamError: for kvchaos.harness.judge.scenario
+from kvchaos.faults.ordering_race import OrderingRace
+from kvchaos.faults.refcount_leak import RefcountLeak
+from kvchaos.faults.staging_stall import StagingStall
+from kvchaos.faults.table_overflow import TableOverflow
 
 REGISTRY: dict[str, type[Fault]] = {f.name: f for f in (TableOverflow, RefcountLeak, StagingStall, OrderingRace)}
 

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.engine import Engine
+from kvchaos.engine.engine import Engine
 
 
 class ParamError(ValueError):

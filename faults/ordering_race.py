@@ -3,7 +3,7 @@ table; one rank's update arrives late. With no version check before compute, tha
 stale table for a step and writes/reads K/V at the wrong slots."""
 from __future__ import annotations
 
-from faults.base import FRACTION, STEP, Fault, Num, ParamError
+from kvchaos.faults.base import FRACTION, STEP, Fault, Num, ParamError
 
 
 class OrderingRace(Fault):

@@ -2,8 +2,8 @@
 cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains."""
 from __future__ import annotations
 
-from faults.base import FRACTION, Fault, ListOf, Num
-from harness.workload import Action
+from kvchaos.faults.base import FRACTION, Fault, ListOf, Num
+from kvchaos.faults.plan import Action
 
 PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-from engine.staging import StagingBuffer
-from faults.base import STEP, Fault, Num
+from kvchaos.engine.staging import StagingBuffer
+from kvchaos.faults.base import STEP, Fault, Num
 
 
 def busy_wait(seconds: float) -> None:

@@ -3,8 +3,8 @@ no bound check the write lands in the next row of the flat table and silently co
 neighbour."""
 from __future__ import annotations
 
-from faults.base import BOOL, COUNT, STEP, Fault, Num
-from harness.workload import Action
+from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num
+from kvchaos.faults.plan import Action
 
 
 class TableOverflow(Fault):

@@ -7,18 +7,18 @@ import os
 import sys
 from pathlib import Path
 
-from engine.errors import KVChaosError
-from harness.verdict import EXIT_CODES, MEANING, PASS, worst
+from kvchaos.engine.errors import KVChaosError
+from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, PASS, worst
 
 EXIT_USAGE = 2
 # Subcommands that live in their own modules; each has add_arguments(parser) and main(args) -> int.
 TOOLS = {
-    "bench": ("harness.bench", "measure the block manager, the engine and paged vs contiguous attention"),
-    "analyze": ("harness.report", "re-run the checkers on a stored run and rewrite its reports"),
-    "soak": ("harness.soak", "run randomised scenarios until a time budget is spent"),
-    "replay": ("harness.replay", "re-run a stored run and compare its history"),
-    "shrink": ("harness.shrink", "reduce a failing run to a minimal scenario and a pytest file"),
-    "gpu-check": ("harness.gpu_check", "the prepared GPU check: gpu tests, CUDA scenarios, kernel bench, soak"),
+    "bench": ("kvchaos.harness.bench.suite", "measure the block manager, the engine and paged vs contiguous attention"),
+    "analyze": ("kvchaos.harness.report.analyze", "re-run the checkers on a stored run and rewrite its reports"),
+    "soak": ("kvchaos.harness.tools.soak", "run randomised scenarios until a time budget is spent"),
+    "replay": ("kvchaos.harness.tools.replay", "re-run a stored run and compare its history"),
+    "shrink": ("kvchaos.harness.tools.shrink", "reduce a failing run to a minimal scenario and a pytest file"),
+    "gpu-check": ("kvchaos.harness.bench.gpu_check", "the prepared GPU check: gpu tests, CUDA scenarios, kernel bench, soak"),
 }
 
 
@@ -44,7 +44,7 @@ def parse_seeds(seed: int | None, seeds: str | None) -> list[int] | None:
 
 
 def select_scenarios(names: list[str], tags: list[str] | None = None):
-    from harness.scenario import builtin_scenarios, load_scenario
+    from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
 
     scs = [load_scenario(n) for n in names] if names else builtin_scenarios()
     if tags:
@@ -73,8 +73,9 @@ def cmd_run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engine.distributed import Cluster, external_launch, serve
-    from harness.runner import load_object, resolve_device, run_scenario
+    from kvchaos.engine.distributed import Cluster, external_launch, serve
+    from kvchaos.harness.judge.runner import load_object, resolve_device, run_scenario
+    from kvchaos.harness.report.render import publish
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
         return serve()  # under torchrun, ranks > 0 serve rank 0's runs
@@ -94,9 +95,10 @@ def cmd_run(args) -> int:
             task = progress.add_task("running", total=len(jobs))
             for sc, seed in jobs:
                 progress.update(task, description=f"{sc.name} seed {seed}")
-                r = run_scenario(sc, seed, device=device, report_dir=Path(args.report_dir),
-                                 block_manager_spec=args.block_manager, timeout_s=args.timeout, tp_mode=args.tp_mode,
-                                 world_size=args.world_size, cluster=cluster, index=False)
+                r = publish(run_scenario(sc, seed, device=device, report_dir=Path(args.report_dir),
+                                         block_manager_spec=args.block_manager, timeout_s=args.timeout,
+                                         tp_mode=args.tp_mode, world_size=args.world_size, cluster=cluster),
+                            index=False)
                 results.append(r)
                 if r.results.get("reason") == "interrupted":  # Ctrl-C: stop here, the run's record is on disk
                     break
@@ -106,7 +108,7 @@ def cmd_run(args) -> int:
                 progress.advance(task)
     finally:
         if results:  # once for the batch, whatever stopped it
-            from harness.report import update_index
+            from kvchaos.harness.report.index import update_index
             try:
                 update_index(Path(args.report_dir), newest=results[-1].run_dir)
             except Exception as e:  # the runs are on disk; only the listing is stale
@@ -167,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
     run.add_argument("--report-dir", default="reports", help="where run folders go (default: reports)")
     run.add_argument("--block-manager", metavar="MODULE:ATTR",
-                     help="run under your own BlockManager (engine.protocols.BlockManagerProtocol), called as "
+                     help="run under your own BlockManager (kvchaos.engine.protocols.BlockManagerProtocol), called as "
                           "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)")
     run.add_argument("--tag", action="append", help="only scenarios with this tag or marker (repeatable)")
     run.add_argument("--timeout", type=float, default=None, metavar="S", help="per-run time limit in seconds")

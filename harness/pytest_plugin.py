@@ -5,23 +5,29 @@
     pytest scenarios/ --kvchaos-seeds 20 --kvchaos-block-manager mypkg.bm:MyBlockManager
 
 Fixtures for hand-written tests: `kvchaos_run` (run a scenario, a file or a dict, with the command
-line's options) and `kvchaos_engine` (an Engine built on the configured block manager)."""
+line's options) and `kvchaos_engine` (an Engine built on the configured block manager).
+
+pytest loads this plugin in every session of an environment where kvchaos is installed: it imports
+nothing heavy (no torch, no pydantic) until a scenario file is collected or a kvchaos option is used."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from faults import REGISTRY
-from harness.scenario import ScenarioError
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
+# Fault markers (fault_<name>) and a scenario's tags are declared as its file is collected.
 MARKERS = {
     "scenario": "a kvchaos scenario run",
     "soak": "a long randomised run",
     "gpu": "needs a CUDA GPU (skips on the CPU)",
     "distributed": "starts real torch.distributed ranks",
     "smoke": "a quick scenario",
-    **{f"fault_{n}": f"provokes the {n} failure mode" for n in REGISTRY},
 }
 
 
@@ -33,7 +39,7 @@ def pytest_addoption(parser) -> None:
     g.addoption("--kvchaos-report-dir", default=None,
                 help="keep each run's folder here (default: a temporary folder per session)")
     g.addoption("--kvchaos-block-manager", default=None, metavar="MODULE:ATTR",
-                help="run every scenario under this BlockManager (engine.protocols.BlockManagerProtocol)")
+                help="run every scenario under this BlockManager (kvchaos.engine.protocols.BlockManagerProtocol)")
 
 
 def pytest_configure(config) -> None:
@@ -41,7 +47,7 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     spec = config.getoption("--kvchaos-block-manager", None)
     if spec:  # a bad spec is one usage error, not an ERROR on every item
-        from harness.runner import load_object
+        from kvchaos.harness.judge.runner import load_object
 
         try:
             load_object(spec)
@@ -62,7 +68,7 @@ def _report_dir(config) -> Path:
 def pytest_sessionfinish(session) -> None:
     newest = getattr(session.config, "_kvchaos_newest", None)
     if newest is not None:  # the report index, once for the session's scenario runs
-        from harness.report import update_index
+        from kvchaos.harness.report.index import update_index
 
         try:
             update_index(newest.parent, newest=newest)
@@ -71,9 +77,22 @@ def pytest_sessionfinish(session) -> None:
                 f"kvchaos: could not update {newest.parent / 'index.html'}: {type(e).__name__}: {e}", yellow=True)
 
 
-def pytest_collect_file(file_path: Path, parent):
-    from harness.scenario import is_scenario_file
+def is_scenario_file(path: Path) -> bool:
+    """A .toml file with a [scenario] table (or any .toml in a folder named scenarios)."""
+    if path.suffix != ".toml":
+        return False
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return path.parent.name == "scenarios"
+    try:
+        return "scenario" in tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        # a broken file where scenarios live, or one with a [scenario] table: report it, never skip it
+        return path.parent.name == "scenarios" or re.search(r"(?m)^\s*\[\s*scenario\s*\]", text) is not None
 
+
+def pytest_collect_file(file_path: Path, parent):
     if is_scenario_file(file_path):
         return ScenarioFile.from_parent(parent, path=file_path)
     return None
@@ -81,8 +100,8 @@ def pytest_collect_file(file_path: Path, parent):
 
 class ScenarioFile(pytest.File):
     def collect(self):
-        from harness.cli import parse_seeds
-        from harness.scenario import load_scenario
+        from kvchaos.harness.cli import parse_seeds
+        from kvchaos.harness.judge.scenario import ScenarioError, load_scenario
 
         try:
             sc = load_scenario(self.path)
@@ -121,14 +140,16 @@ class ScenarioItem(pytest.Item):
     def runtest(self) -> None:
         import torch
 
-        from harness.runner import run_scenario
+        from kvchaos.harness.judge.runner import run_scenario
+        from kvchaos.harness.report.render import publish
 
         device = self.config.getoption("--kvchaos-device")
         if self.get_closest_marker("gpu") or device.startswith("cuda"):
             if not torch.cuda.is_available():
                 pytest.skip("needs a CUDA GPU")
-        r = run_scenario(self.scenario, self.seed, device=device, report_dir=_report_dir(self.config),
-                         block_manager_spec=self.config.getoption("--kvchaos-block-manager"), index=False)
+        r = publish(run_scenario(self.scenario, self.seed, device=device, report_dir=_report_dir(self.config),
+                                 block_manager_spec=self.config.getoption("--kvchaos-block-manager")),
+                    index=False)
         self.config._kvchaos_newest = r.run_dir
         self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
         if r.results.get("reason") == "interrupted":  # Ctrl-C stops the session, not just this run
@@ -151,9 +172,10 @@ class ScenarioItem(pytest.Item):
 @pytest.fixture
 def kvchaos_run(request, tmp_path):
     """Run a scenario (a Scenario, a file path, a built-in name, or a dict in the file's shape)
-    with the command line's device and block manager; returns harness.runner.RunResult."""
-    from harness.runner import run_scenario
-    from harness.scenario import Scenario, load_scenario, parse_scenario
+    with the command line's device and block manager; returns kvchaos.harness.judge.runner.RunResult."""
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.judge.scenario import Scenario, load_scenario, parse_scenario
+    from kvchaos.harness.report.render import publish
 
     cfg = request.config
 
@@ -165,7 +187,7 @@ def kvchaos_run(request, tmp_path):
         kw.setdefault("device", cfg.getoption("--kvchaos-device"))
         kw.setdefault("report_dir", tmp_path)
         kw.setdefault("block_manager_spec", cfg.getoption("--kvchaos-block-manager"))
-        return run_scenario(scenario, seed, **kw)
+        return publish(run_scenario(scenario, seed, **kw))
 
     return run
 
@@ -173,8 +195,8 @@ def kvchaos_run(request, tmp_path):
 @pytest.fixture
 def kvchaos_engine(request):
     """Build an Engine (engine.Engine) from an EngineConfig on the configured block manager."""
-    from engine.engine import Engine
-    from harness.runner import load_object
+    from kvchaos.engine.engine import Engine
+    from kvchaos.harness.judge.runner import load_object
 
     spec = request.config.getoption("--kvchaos-block-manager")
 

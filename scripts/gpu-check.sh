@@ -6,7 +6,7 @@
 #
 # Leaves gpu-check.json, gpu-check.md, gpu-check.log, gpu-tests.xml and bench-kernel.json in $OUT
 # (run folders go to $WORK, default /tmp/kvchaos-gpu-check, so $OUT stays small).
-# It is `kvchaos gpu-check`, run as `python3 -m harness.gpu_check`: the kvchaos CLI imports every
+# It is `kvchaos gpu-check`, run as `python3 -m kvchaos.harness.bench.gpu_check`: the kvchaos CLI imports every
 # tool module, so one tool's missing dependency would stop the check before it starts.
 #
 # What each stage needs beyond torch + triton:
@@ -24,4 +24,4 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .deps ]; then PYTHONPATH="$PYTHONPATH:$PWD/.deps"; fi
 export PYTHONUNBUFFERED=1
-exec "$PY" -m harness.gpu_check --out "${OUT:-reports/gpu-check}" --work-dir "${WORK:-/tmp/kvchaos-gpu-check}" "$@"
+exec "$PY" -m kvchaos.harness.bench.gpu_check --out "${OUT:-reports/gpu-check}" --work-dir "${WORK:-/tmp/kvchaos-gpu-check}" "$@"

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 import pytest
 import torch
 
-from engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode
+from kvchaos.engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode
 
 BS, HKV, G, D = 4, 2, 2, 8
 
@@ -74,7 +74,7 @@ def test_prefill_chunk_matches_naive():
 
 @pytest.mark.parametrize("was", [False, True])
 def test_deterministic_writes_restores_the_global_mode(was):
-    from engine.attention import deterministic_writes, write_kv
+    from kvchaos.engine.attention import deterministic_writes, write_kv
     torch.use_deterministic_algorithms(was)
     try:
         kc, vc = torch.zeros(2, BS, HKV, D), torch.zeros(2, BS, HKV, D)

@@ -11,7 +11,7 @@ import math
 import pytest
 from rich.console import Console
 
-from harness import bench
+from kvchaos.harness.bench import suite as bench
 
 METRICS = {
     "pool_alloc_free_per_s", "pool_vs_nanovllm", "pool_scale_1m_vs_1k", "pool_scale_1m_vs_1k_shared",

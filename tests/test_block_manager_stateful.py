@@ -1,4 +1,4 @@
-"""engine.block_manager.BlockManager as a Hypothesis state machine.
+"""kvchaos.engine.block_manager.BlockManager as a Hypothesis state machine.
 
 A model keeps each live sequence's token count; the rules start, grow (append and the batched
 append_decode), fork, free (live, dead and unknown ids), cancel (free mid-way through a `hold()`
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager, BlockPool
-from engine.errors import OutOfBlocks, TableOverflow
+from kvchaos.engine.block_manager import BlockManager, BlockPool
+from kvchaos.engine.errors import OutOfBlocks, TableOverflow
 
 
 class Interrupted(BaseException):

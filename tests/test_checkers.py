@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from harness.checkers import (CHECKERS, check_block_accounting, check_cross_rank, check_latency, check_liveness,
+from kvchaos.harness.judge.checkers import (CHECKERS, check_block_accounting, check_cross_rank, check_latency, check_liveness,
                               check_oracle_divergence, check_table_integrity, run_checkers)
 
 

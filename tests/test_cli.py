@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import Engine
-from harness.cli import main
-from harness.runner import run_scenario
-from harness.scenario import builtin_scenarios, load_scenario
-from harness.verdict import EXIT_CODES
+from kvchaos.engine.engine import Engine
+from kvchaos.harness.cli import main
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
+from kvchaos.harness.judge.verdict import EXIT_CODES
 
 KVCHAOS = Path(sys.executable).with_name("kvchaos")
 
@@ -100,7 +100,7 @@ BAD = [
     (["run", "--seeds", "1,x"], "--seeds '1,x'"),
     (["run", "no-such-scenario", "--seed", "0"], "no-such-scenario: no such scenario file or built-in scenario"),
     (["run", "baseline-clean", "--block-manager", "nosuch:thing"], "'nosuch:thing': cannot import nosuch"),
-    (["run", "baseline-clean", "--block-manager", "engine.block_manager:Nope"], "has no attribute Nope"),
+    (["run", "baseline-clean", "--block-manager", "kvchaos.engine.block_manager:Nope"], "has no attribute Nope"),
     (["run", "baseline-clean", "--block-manager", "justamodule"], "expected module:attr"),
     (["run", "--tag", "no-such-tag"], "no scenario matches"),
     (["list", "missing.toml"], "missing.toml: no such scenario file"),
@@ -149,7 +149,7 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
         "FALSE_ALARM": write_scenario(tmp_path, "clean-under-leaky-bm", SMALL + '[workload.cancel]\nphases = ["shared"]\n'),
     }
     (tmp_path / "leaky_bm.py").write_text(
-        "from engine.block_manager import BlockManager\n"
+        "from kvchaos.engine.block_manager import BlockManager\n"
         "class Leaky(BlockManager):\n"
         "    def free(self, seq_id):\n"
         "        blocks = self.blocks.get(seq_id)\n"
@@ -189,7 +189,7 @@ def test_ctrl_c_stops_the_run_and_keeps_the_record(capsys, tmp_path, monkeypatch
 
 
 def test_a_batch_builds_the_index_once_with_every_run(capsys, tmp_path, monkeypatch):
-    from harness import report
+    from kvchaos.harness.report import index as report
 
     calls = []
     real = report.update_index

@@ -1,4 +1,4 @@
-"""Real tensor-parallel ranks (engine.distributed) on gloo CPU processes: the ordering race's planted
+"""Real tensor-parallel ranks (kvchaos.engine.distributed) on gloo CPU processes: the ordering race's planted
 defect is caught and its remediation holds with real ranks, with the same verdicts and evidence as
 the in-process simulation; tokens and logits are bit-identical to the simulation's; a rank that
 dies or hangs is an ERROR naming it, and no process is left behind."""
@@ -11,10 +11,10 @@ import psutil
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig
-from engine.distributed import TEST_FAULT_ENV, Cluster, DistEngine, StaleTable
-from harness.runner import run_scenario
-from harness.scenario import load_scenario, parse_scenario
+from kvchaos.engine import CacheConfig, Engine, EngineConfig
+from kvchaos.engine.distributed import TEST_FAULT_ENV, Cluster, DistEngine, StaleTable
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -152,7 +152,7 @@ def test_world_size_must_divide_the_kv_heads():
 
 
 def test_rank_devices_follow_the_configured_gpu(monkeypatch):
-    from engine.distributed import _rank_device
+    from kvchaos.engine.distributed import _rank_device
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert _rank_device("cuda:1", 0) == torch.device("cuda", 1)
@@ -164,7 +164,7 @@ def test_rank_devices_follow_the_configured_gpu(monkeypatch):
 
 
 def test_nccl_ranks_beyond_the_gpus_are_refused_before_any_process_starts(monkeypatch):
-    from engine.errors import ConfigError
+    from kvchaos.engine.errors import ConfigError
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import (CacheConfig, ConfigError, Engine, EngineConfig, InvalidRequest, KVChaosError, ModelConfig,
+from kvchaos.engine import (CacheConfig, ConfigError, Engine, EngineConfig, InvalidRequest, KVChaosError, ModelConfig,
                     RequestRejected, State)
-from engine.config import blocks_in_budget, kv_bytes_per_block
-from harness.oracle import Oracle
+from kvchaos.engine.config import blocks_in_budget, kv_bytes_per_block
+from kvchaos.harness.judge.oracle import Oracle
 
 VOCAB = 61
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -1,7 +1,7 @@
 """The paged engine against the contiguous-cache oracle on seeded random workloads.
 
 Every logit row the engine emits (StepOutput.logits) is collected per request; after the run each
-request, finished or cancelled, is replayed by harness.oracle.Oracle (teacher forcing on the
+request, finished or cancelled, is replayed by kvchaos.harness.judge.oracle.Oracle (teacher forcing on the
 engine's own tokens) and must not diverge. Workloads cover staggered arrivals, chunked prefill,
 preemption on a small pool, forks that share blocks (copy-on-write) and cancels in every state.
 Block accounting is checked after every step and, at the end, every block must be free.
@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig, ModelConfig, State
-from harness.oracle import Oracle
+from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig, State
+from kvchaos.harness.judge.oracle import Oracle
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                     intermediate_size=64, vocab_size=97, max_position=256)

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine import CacheConfig, Engine, EngineConfig, ModelConfig  # noqa: E402
-from harness.oracle import Oracle  # noqa: E402
+from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig  # noqa: E402
+from kvchaos.harness.judge.oracle import Oracle  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128,
@@ -98,7 +98,7 @@ def test_engine_matches_oracle_cuda(dtype):
 def test_duplicate_slot_writes_are_deterministic_cuda():
     """A spilled row writes over a neighbour's slot in the same step: the same inputs must leave the
     same pool every time (else a CUDA soak's replay reports false nondeterminism)."""
-    from engine.attention import write_kv
+    from kvchaos.engine.attention import write_kv
 
     g = torch.Generator().manual_seed(0)
     slots = torch.randint(0, 64, (4096,), generator=g).cuda()  # many collisions
@@ -127,8 +127,8 @@ def test_staging_is_pinned_and_reallocated_pinned_cuda():
 @gpu
 def test_invalidated_staging_is_pageable_cuda():
     pytest.importorskip("pydantic", reason="faults import the workload model, which needs pydantic")
-    from faults import make_fault
-    from faults.staging_stall import InvalidatedStaging
+    from kvchaos.faults import make_fault
+    from kvchaos.faults.staging_stall import InvalidatedStaging
 
     eng = Engine(EngineConfig(model=MODEL, device="cuda"))
     buf = InvalidatedStaging(eng.staging.tensor.numel(), make_fault("staging_stall", True, {}, 0))
@@ -139,9 +139,9 @@ def test_invalidated_staging_is_pageable_cuda():
 @pytest.mark.parametrize("name,expect_realloc", [("staging-stall-detect", False), ("staging-stall-clean", True)])
 def test_staging_stall_scenario_cuda(tmp_path, name, expect_realloc):
     pytest.importorskip("pydantic", reason="scenario files need pydantic")
-    from harness.history import read_history
-    from harness.runner import run_scenario
-    from harness.scenario import load_scenario
+    from kvchaos.harness.judge.history import read_history
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.judge.scenario import load_scenario
 
     sc = load_scenario(name)
     r = run_scenario(sc, sc.scenario.seeds[0], device="cuda", report_dir=tmp_path)
@@ -158,7 +158,7 @@ def test_staging_stall_scenario_cuda(tmp_path, name, expect_realloc):
 
 @gpu
 def test_nvml_telemetry_has_gpu_fields():
-    from harness.telemetry import Telemetry
+    from kvchaos.harness.judge.telemetry import Telemetry
 
     tel = Telemetry("cuda")
     assert tel.available, tel.reason
@@ -173,7 +173,7 @@ def test_nvml_telemetry_has_gpu_fields():
 
 @gpu
 def test_bench_kernel_quick_cuda():
-    from harness.bench_kernel import bench
+    from kvchaos.harness.bench.kernel import bench
 
     r = bench("quick", runs=10, warmup=2, sweep=False, torch_paged=False)
     assert r["correctness"]["ok"], r["correctness"]
@@ -183,7 +183,7 @@ def test_bench_kernel_quick_cuda():
 
 @gpu
 def test_staging_measure_cuda():
-    from harness.bench_staging import measure
+    from kvchaos.harness.bench.staging import measure
 
     r = measure("cuda", rounds=2, steps_per_round=6)
     assert r["applicable"]

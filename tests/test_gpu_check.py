@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import gpu_check
-from harness.bench_staging import NOT_APPLICABLE, StagingBuffer, alternate, decode_engine, measure
+from kvchaos.harness.bench import gpu_check
+from kvchaos.harness.bench.staging import NOT_APPLICABLE, StagingBuffer, alternate, decode_engine, measure
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -28,7 +28,7 @@ def run(args: list[str], timeout: float = 120, **env) -> subprocess.CompletedPro
 
 @no_cuda
 def test_gpu_check_refuses_without_cuda(tmp_path):
-    p = run(["-m", "harness.cli", "gpu-check", "--out", str(tmp_path / "gc")])
+    p = run(["-m", "kvchaos.harness.cli", "gpu-check", "--out", str(tmp_path / "gc")])
     assert p.returncode == gpu_check.EXIT_NO_CUDA
     assert p.stderr.strip() == f"kvchaos gpu-check: {gpu_check.NO_CUDA}"
     assert gpu_check.NO_CUDA == "no CUDA device: the GPU check needs one; on this machine run `make test`"
@@ -46,13 +46,13 @@ def test_script_refuses_without_cuda(tmp_path):
 
 @no_cuda
 def test_bench_kernel_refuses_on_cpu():
-    p = run(["-m", "harness.bench_kernel"])
+    p = run(["-m", "kvchaos.harness.bench.kernel"])
     assert p.returncode == 3 and "needs CUDA" in p.stderr and "--interpret" in p.stderr
 
 
 def test_bench_kernel_interpreter_smoke(tmp_path):
     out = tmp_path / "bk.json"
-    p = run(["-m", "harness.bench_kernel", "--interpret", "--runs", "2", "--json", str(out)], timeout=120)
+    p = run(["-m", "kvchaos.harness.bench.kernel", "--interpret", "--runs", "2", "--json", str(out)], timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["mode"] == "interpreter-smoke" and r["device"].startswith("cpu")
@@ -105,7 +105,7 @@ def test_dry_run_stage_failure_and_timeout_lose_nothing_else(tmp_path):
     """env is killed at a 1 s limit (torch alone takes longer to import); the scenario stage still
     runs both dtypes, staging still reports itself not applicable, and the summaries say it all."""
     out = tmp_path / "gc"
-    p = run(["-m", "harness.gpu_check", "--cpu-dry-run", "--out", str(out), "--stages", "env,scenarios,staging",
+    p = run(["-m", "kvchaos.harness.bench.gpu_check", "--cpu-dry-run", "--out", str(out), "--stages", "env,scenarios,staging",
              "--stage-limit", "env=1", "--scenario", "table-overflow-clean", "--dtypes", "float32,bfloat16"])
     assert p.returncode == gpu_check.EXIT_FAILED, p.stdout + p.stderr
     r = json.loads((out / "gpu-check.json").read_text())
@@ -125,7 +125,7 @@ def test_dry_run_stage_failure_and_timeout_lose_nothing_else(tmp_path):
 
 def test_dry_run_budget_spent_skips_and_is_incomplete(tmp_path):
     out = tmp_path / "gc"
-    p = run(["-m", "harness.gpu_check", "--cpu-dry-run", "--out", str(out), "--stages", "staging,soak",
+    p = run(["-m", "kvchaos.harness.bench.gpu_check", "--cpu-dry-run", "--out", str(out), "--stages", "staging,soak",
              "--budget-s", "20"])
     assert p.returncode == gpu_check.EXIT_INCOMPLETE, p.stdout + p.stderr
     r = json.loads((out / "gpu-check.json").read_text())
@@ -133,7 +133,7 @@ def test_dry_run_budget_spent_skips_and_is_incomplete(tmp_path):
 
 
 def test_bad_stage_name_is_refused():
-    p = run(["-m", "harness.gpu_check", "--cpu-dry-run", "--stages", "env,nope", "--out", "/tmp/kvchaos-unused"])
+    p = run(["-m", "kvchaos.harness.bench.gpu_check", "--cpu-dry-run", "--stages", "env,nope", "--out", "/tmp/kvchaos-unused"])
     assert p.returncode != 0 and "unknown ['nope']" in p.stderr
 
 

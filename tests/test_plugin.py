@@ -10,8 +10,8 @@ import xml.etree.ElementTree as ET
 import hypothesis  # noqa: F401  imported here, so that pytester's in-process runs (which drop the
 import pytest  # modules they import) do not import (and assertion-rewrite) them afresh each time
 
-import harness.cli  # noqa: F401
-import harness.runner  # noqa: F401
+import kvchaos.harness.cli  # noqa: F401
+import kvchaos.harness.judge.runner  # noqa: F401
 
 pytest_plugins = ["pytester"]
 
@@ -43,7 +43,7 @@ within_steps = 2
 """
 
 LEAKY_BM = """
-from engine.block_manager import BlockManager
+from kvchaos.engine.block_manager import BlockManager
 
 class Leaky(BlockManager):
     def free(self, seq_id):
@@ -157,7 +157,7 @@ def test_scenario_file_with_bad_toml_is_reported_not_skipped(suite):
 
 def test_kvchaos_run_and_engine_fixtures_in_a_user_test(pytester):
     pytester.makepyfile(test_mine="""
-        from engine.config import CacheConfig, EngineConfig
+        from kvchaos.engine.config import CacheConfig, EngineConfig
 
         def test_my_scenario(kvchaos_run):
             r = kvchaos_run({"scenario": {"name": "mine"}, "workload": {"num_requests": 3,
@@ -179,7 +179,7 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
     suite.makepyfile(leaky_bm=LEAKY_BM)
     suite.syspathinsert()
     suite.makepyfile(test_bm="""
-        from engine.config import EngineConfig
+        from kvchaos.engine.config import EngineConfig
 
         def test_engine_uses_it(kvchaos_engine):
             assert type(kvchaos_engine(EngineConfig()).bm).__name__ == "Leaky"

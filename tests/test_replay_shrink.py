@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main as cli_main
-from harness.replay import replay
-from harness.runner import run_scenario
-from harness.scenario import BUILTIN_DIR, load_scenario
-from harness.shrink import add_arguments as shrink_arguments, main as shrink_main
-from harness.soak import fingerprints, generate_scenario
-from harness.toml_writer import dumps
+from kvchaos.harness.cli import main as cli_main
+from kvchaos.harness.tools.replay import replay
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
+from kvchaos.harness.tools.shrink import add_arguments as shrink_arguments, main as shrink_main
+from kvchaos.harness.tools.soak import fingerprints, generate_scenario
+from kvchaos.harness.judge.toml_writer import dumps
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,12 +8,14 @@ import shutil
 
 import pytest
 
-from faults import REGISTRY
-from harness import report
-from harness.cli import main as cli_main
-from harness.history import read_history
-from harness.runner import run_scenario
-from harness.scenario import load_scenario, parse_scenario
+from kvchaos.faults import REGISTRY
+from kvchaos.harness.report import index as report_index
+from kvchaos.harness.report import render
+from kvchaos.harness.report.render import publish
+from kvchaos.harness.cli import main as cli_main
+from kvchaos.harness.judge.history import read_history
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
 
 SECTIONS = ["Verdict", "Summary", "Impact", "Trigger", "Detection", "Root cause", "Remediation", "Timeline",
             "Reproduction", "Minimal reproducer", "What held"]
@@ -25,8 +27,8 @@ DETECT = {"table-overflow-detect": "table_overflow", "refcount-leak-detect": "re
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("reports")
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(report.PLOTS_ENV, raising=False)
-        out = {name: run_scenario(load_scenario(name), 0, device="cpu", report_dir=d)
+        mp.delenv(render.PLOTS_ENV, raising=False)
+        out = {name: publish(run_scenario(load_scenario(name), 0, device="cpu", report_dir=d))
                for name in [*DETECT, "baseline-clean"]}
     for name, r in out.items():
         assert r.verdict == "PASS", f"{name}: {r.summary}"
@@ -192,7 +194,7 @@ def test_minimal_reproducer_section_points_at_the_shrunk_files(runs, tmp_path):
     shutil.copytree(r.run_dir, copy)
     results = json.loads((copy / "results.json").read_text())
     results["minimal_reproducer"] = {"scenario_path": "min/overflow.toml", "test_path": "min/test_overflow.py"}
-    report.write_reports(copy, results, plots=False)
+    render.write_reports(copy, results, plots=False)
     md = _sections((copy / "incident-001.md").read_text())["Minimal reproducer"]
     assert "`min/overflow.toml`" in md and "`min/test_overflow.py`" in md and "not shrunk" not in md
 
@@ -206,7 +208,7 @@ def test_false_alarm_root_cause_is_suspected(runs, tmp_path):
     lat.update(valid=False, findings=[{"checker": "latency", "step": 30, "message": "climbed", "manifest": None,
                                        "kind": "latency_climb", "evidence": {"signal": "host_s", "window": [29, 30]}}])
     results.update(verdict="FALSE_ALARM", summary="latency fired with nothing planted")
-    report.write_reports(copy, results, plots=False)
+    render.write_reports(copy, results, plots=False)
     inc, = results["incidents"]
     assert inc["kind"] == "false_alarm" and inc["root_cause"]["status"] == "suspected"
     assert REGISTRY["staging_stall"].root_cause in inc["root_cause"]["text"]  # latency is what catches a stall
@@ -215,10 +217,10 @@ def test_false_alarm_root_cause_is_suspected(runs, tmp_path):
 
 
 def test_missed_detection_is_a_sev1_incident_with_a_figure(tmp_path, monkeypatch):
-    monkeypatch.delenv(report.PLOTS_ENV, raising=False)
+    monkeypatch.delenv(render.PLOTS_ENV, raising=False)
     sc = load_scenario("staging-stall-detect")
     sc.expect.within_steps = 0  # the stall takes several steps to show: demand it at once
-    r = run_scenario(sc, 0, device="cpu", report_dir=tmp_path)
+    r = publish(run_scenario(sc, 0, device="cpu", report_dir=tmp_path))
     assert r.verdict == "MISSED", r.summary
     inc, = r.results["incidents"]
     assert inc["kind"] == "missed" and inc["severity"] == "SEV1"
@@ -228,10 +230,10 @@ def test_missed_detection_is_a_sev1_incident_with_a_figure(tmp_path, monkeypatch
 
 
 def test_error_run_becomes_an_incident(tmp_path, monkeypatch):
-    monkeypatch.delenv(report.PLOTS_ENV, raising=False)
+    monkeypatch.delenv(render.PLOTS_ENV, raising=False)
     sc = parse_scenario({"scenario": {"name": "broken"}, "faults": [{"name": "ordering_race", "defect": True}],
                          "expect": {"outcome": "detect", "checkers": ["cross_rank"]}})
-    r = run_scenario(sc, 0, device="cpu", report_dir=tmp_path)
+    r = publish(run_scenario(sc, 0, device="cpu", report_dir=tmp_path))
     assert r.verdict == "ERROR"
     inc, = r.results["incidents"]
     assert inc["kind"] == "error" and "needs engine.tp_size >= 2" in inc["title"]
@@ -241,19 +243,19 @@ def test_error_run_becomes_an_incident(tmp_path, monkeypatch):
 
 
 def test_a_bad_plots_setting_is_one_clear_error(runs, tmp_path, monkeypatch):
-    monkeypatch.setenv(report.PLOTS_ENV, "sometimes")
+    monkeypatch.setenv(render.PLOTS_ENV, "sometimes")
     r = runs[1]["baseline-clean"]
     with pytest.raises(ValueError, match="KVCHAOS_PLOTS='sometimes': expected one of failures, incidents, all, none"):
-        report.write_reports(r.run_dir, json.loads((r.run_dir / "results.json").read_text()))
+        render.write_reports(r.run_dir, json.loads((r.run_dir / "results.json").read_text()))
 
 
 def test_a_failing_report_never_costs_the_run_its_results(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(report, "write_reports", boom)
+    monkeypatch.setattr(render, "write_reports", boom)
     sc = parse_scenario({"scenario": {"name": "tiny"}, "workload": {"num_requests": 2}})
-    r = run_scenario(sc, 0, device="cpu", report_dir=tmp_path)
+    r = publish(run_scenario(sc, 0, device="cpu", report_dir=tmp_path))
     stored = json.loads((r.run_dir / "results.json").read_text())
     assert stored["report_error"] == "RuntimeError: disk on fire" and stored["verdict"] == r.verdict == "PASS"
     assert read_history(r.run_dir / "history.jsonl")[-1]["e"] == "run_end"
@@ -267,8 +269,8 @@ def test_latest_falls_back_to_a_text_file_without_symlinks(runs, tmp_path, monke
     def no_symlinks(*a, **k):
         raise OSError("operation not permitted")
 
-    monkeypatch.setattr(report.os, "symlink", no_symlinks)
-    report.update_index(tmp_path)
+    monkeypatch.setattr(report_index.os, "symlink", no_symlinks)
+    report_index.update_index(tmp_path)
     assert (tmp_path / "LATEST").read_text().strip() == out["baseline-clean"].run_dir.name
     assert not (tmp_path / "latest").exists() and not list(tmp_path.glob(".latest*"))
     index = (tmp_path / "index.html").read_text()

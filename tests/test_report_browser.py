@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.runner import run_scenario
-from harness.scenario import load_scenario
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.report.render import publish
+from kvchaos.harness.judge.scenario import load_scenario
 
 CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and Path(p).is_file()), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium at /usr/bin/chromium or on PATH: "
@@ -43,7 +44,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("reports")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCHAOS_PLOTS", "incidents")  # the race is caught (PASS): draw its figure too
-        return d, [run_scenario(load_scenario(n), 0, device="cpu", report_dir=d)
+        return d, [publish(run_scenario(load_scenario(n), 0, device="cpu", report_dir=d))
                    for n in ("ordering-race-detect", "baseline-clean")]
 
 

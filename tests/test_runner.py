@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.engine import Engine
-from engine.protocols import BlockManagerProtocol
-from harness.checkers import run_checkers
-from harness.history import UNSTABLE_KEYS, deterministic_digest, read_history
-from harness.runner import run_scenario
-from harness.scenario import load_scenario, parse_scenario
+from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.engine import Engine
+from kvchaos.engine.protocols import BlockManagerProtocol
+from kvchaos.harness.judge.checkers import run_checkers
+from kvchaos.harness.judge.history import UNSTABLE_KEYS, deterministic_digest, read_history
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
+from kvchaos.harness.report.render import publish
 
 TINY_TOML = """
 [scenario]
@@ -144,7 +145,7 @@ def test_ctrl_c_keeps_what_was_recorded(tiny, tmp_path, monkeypatch):
 def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end_breaks(tiny, tmp_path, monkeypatch):
     """The oracle checks requests in batches; a failure at the run's end (here the final snapshot)
     must not take the queued checks with it, and Ctrl-C while checking still leaves the record."""
-    from harness.runner import _Run
+    from kvchaos.harness.judge.runner import _Run
 
     clean = run_scenario(tiny, 0, report_dir=tmp_path / "clean")
     checked = {e["req"] for e in read_history(clean.run_dir / "history.jsonl") if e["e"] == "oracle"}
@@ -163,7 +164,7 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
     assert {e["req"] for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "oracle"} == checked
 
     monkeypatch.setattr(_Run, "snapshot", real)
-    monkeypatch.setattr("harness.oracle.Oracle.check_many", lambda self, items: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr("kvchaos.harness.judge.oracle.Oracle.check_many", lambda self, items: (_ for _ in ()).throw(KeyboardInterrupt))
     r = run_scenario(tiny, 0, report_dir=tmp_path / "interrupted")
     res = results_of(r)
     assert r.verdict == "ERROR" and res["reason"] == "interrupted"
@@ -218,7 +219,7 @@ def test_run_folder_contents(tiny, tmp_path):
     events = read_history(r.run_dir / "history.jsonl")
     start = next(e for e in events if e["e"] == "run_start")
     assert start["seed"] == 0 and start["config_hash"] == res["config_hash"] and start["plan"]
-    assert start["block_manager"] == "engine.block_manager:BlockManager"
+    assert start["block_manager"] == "kvchaos.engine.block_manager:BlockManager"
     assert events[-1]["e"] == "run_end" and events[-1]["reason"] == "done"
     assert res["steps"] == len([e for e in events if e["e"] == "step"]) == res["metrics"]["steps"]
     assert res["replay"] == f"kvchaos run {tiny.source} --seed 0 --device cpu"
@@ -236,7 +237,7 @@ def test_no_report_dir_writes_nothing(tiny, tmp_path, monkeypatch):
 
 # -- a user's own BlockManager -----------------------------------------------------------------
 class ProtocolOnlyBM:
-    """A user's block manager that offers only engine.protocols.BlockManagerProtocol (no fast decode
+    """A user's block manager that offers only kvchaos.engine.protocols.BlockManagerProtocol (no fast decode
     path, no `rows`), here by wrapping the reference one."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq):
@@ -326,8 +327,7 @@ def test_a_leaky_user_block_manager_is_a_false_alarm_blamed_on_it(tmp_path):
 
 
 def test_the_report_suspects_the_user_block_manager(tmp_path):
-    pytest.importorskip("harness.report")
-    r = run_scenario(load_scenario("refcount-leak-clean"), 0, report_dir=tmp_path, block_manager=LeakyBM)
+    r = publish(run_scenario(load_scenario("refcount-leak-clean"), 0, report_dir=tmp_path, block_manager=LeakyBM))
     incidents = results_of(r).get("incidents")
     assert incidents, "the run folder has no incidents"
     root = incidents[0]["root_cause"]

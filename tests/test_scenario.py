@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from faults import REGISTRY, make_fault
-from harness.scenario import (BUILTIN_DIR, CHECKERS, ScenarioError, builtin_scenarios, load_scenario,
+from kvchaos.faults import REGISTRY, make_fault
+from kvchaos.harness.judge.scenario import (BUILTIN_DIR, CHECKERS, ScenarioError, builtin_scenarios, load_scenario,
                               parse_scenario)
-from harness.workload import build_plan, read_lengths
+from kvchaos.harness.judge.scenario import read_lengths
+from kvchaos.harness.judge.workload import build_plan
 
 HEAD = '[scenario]\nname = "bad"\n'
 
@@ -220,7 +221,7 @@ def test_parse_scenario_of_a_dict_names_its_source():
 
 
 def test_unknown_checker_list_matches_the_checkers():
-    from harness.checkers import CHECKERS as RUN
+    from kvchaos.harness.judge.checkers import CHECKERS as RUN
 
     assert list(CHECKERS) == list(RUN)
 
@@ -300,7 +301,7 @@ def test_lengths_file_missing(tmp_path):
 
 
 def test_a_fault_class_must_give_every_param_a_domain():
-    from faults.base import COUNT, Fault
+    from kvchaos.faults.base import COUNT, Fault
 
     with pytest.raises(TypeError, match=r"fault half: domains \['a'\] must name exactly the params of defaults \['a', 'b'\]"):
         class Half(Fault):  # noqa: F841

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from faults import REGISTRY
-from harness.cli import main as cli_main
-from harness.scenario import parse_scenario
-from harness.soak import (EXIT_NONDETERMINISM, SPACE, Soak, add_arguments, fingerprints, generate_scenario,
+from kvchaos.faults import REGISTRY
+from kvchaos.harness.cli import main as cli_main
+from kvchaos.harness.judge.scenario import parse_scenario
+from kvchaos.harness.tools.soak import (EXIT_NONDETERMINISM, SPACE, Soak, add_arguments, fingerprints, generate_scenario,
                           parse_budget, parse_shard, shard_seed)
-from harness.verdict import EXIT_CODES
+from kvchaos.harness.judge.verdict import EXIT_CODES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,7 +117,7 @@ def _soak_args(tmp_path: Path) -> argparse.Namespace:
 def test_short_soak_kills_an_injected_hang_and_goes_on(tmp_path):
     budget, slack = 40, 20
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "harness.cli", "soak", "--budget", f"{budget}s", "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "kvchaos.harness.cli", "soak", "--budget", f"{budget}s", "--device", "cpu",
                         "--per-run-timeout", "2", "--report-dir", str(tmp_path), "--seed-start", "0",
                         "--inject-hang-every", "6", "--keep", "all", "--quiet"],
                        capture_output=True, text=True, cwd=ROOT, timeout=budget + 120)
@@ -206,7 +206,7 @@ def test_a_replay_mismatch_is_nondeterminism_not_a_retry(tmp_path):
 def test_five_minute_soak_stays_in_budget_and_does_not_leak(tmp_path):
     budget = 300
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "harness.cli", "soak", "--budget", "5m", "--device", "cpu",
+    subprocess.run([sys.executable, "-m", "kvchaos.harness.cli", "soak", "--budget", "5m", "--device", "cpu",
                     "--per-run-timeout", "10", "--report-dir", str(tmp_path), "--seed-start", "0",
                     "--inject-hang-every", "25", "--quiet"], cwd=ROOT, timeout=budget + 180)
     assert time.monotonic() - t0 < budget + 30

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from harness import telemetry
-from harness.telemetry import Telemetry
+from kvchaos.harness.judge import telemetry
+from kvchaos.harness.judge.telemetry import Telemetry
 
 
 class FakeNVMLError(Exception):
@@ -132,9 +132,9 @@ def test_switched_off_by_env(monkeypatch):
 
 
 def test_runner_history_carries_telemetry(monkeypatch, tmp_path):
-    from harness.history import read_history
-    from harness.runner import run_scenario
-    from harness.scenario import load_scenario
+    from kvchaos.harness.judge.history import read_history
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.judge.scenario import load_scenario
 
     sc = load_scenario("table-overflow-clean")
     monkeypatch.setenv("KVCHAOS_TELEMETRY_EVERY", "5")

@@ -1,7 +1,7 @@
 """paged_decode_triton vs the PyTorch reference.
 
 Without a GPU the kernels run in the Triton interpreter. TRITON_INTERPRET is read when a kernel is
-decorated, so it is useless once engine.triton_decode was imported by this pytest process: the
+decorated, so it is useless once kvchaos.engine.triton_decode was imported by this pytest process: the
 interpreter checks therefore run in one subprocess (this file run as a script), which prints JSON
 results that the tests below assert per case.
 """
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.attention import paged_decode_torch  # noqa: E402
+from kvchaos.engine.attention import paged_decode_torch  # noqa: E402
 
 TOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
 
@@ -85,7 +85,7 @@ def make_inputs(B, H, Hkv, D, bs, dtype, lens, table="plain", q_view=False, max_
 
 
 def run_case(case: dict) -> dict:
-    from engine.triton_decode import paged_decode_triton
+    from kvchaos.engine.triton_decode import paged_decode_triton
 
     c = dict(case)
     c.setdefault("table", "plain")
@@ -123,7 +123,7 @@ def test_matches_reference_interpreter(interp_results, case):
 def test_matches_reference_cuda(splits):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set; this test is for the compiled kernel")
-    from engine.triton_decode import paged_decode_triton
+    from kvchaos.engine.triton_decode import paged_decode_triton
 
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(1, 2049, (8,), generator=g).tolist()

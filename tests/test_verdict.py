@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checkers import CHECKERS, CheckResult, Finding
-from harness.scenario import parse_scenario
-from harness.verdict import (ERROR, EXIT_CODES, FALSE_ALARM, INCONCLUSIVE, MEANING, MISSED, PASS, SEVERITY, decide,
+from kvchaos.harness.judge.checkers import CHECKERS, CheckResult, Finding
+from kvchaos.harness.judge.scenario import parse_scenario
+from kvchaos.harness.judge.verdict import (ERROR, EXIT_CODES, FALSE_ALARM, INCONCLUSIVE, MEANING, MISSED, PASS, SEVERITY, decide,
                              worst)
 
 

@@ -2,7 +2,7 @@
 workload and config, the ratio, and where a distributed step's time goes (per rank: scheduling,
 each kind of collective, compute).
 
-    python -m harness.bench_distributed [--world-size 2] [--repeats 3] [--out reports/bench-distributed.json]
+    python -m kvchaos.harness.bench.distributed [--world-size 2] [--repeats 3] [--out reports/bench-distributed.json]
 
 The two engines run alternately, `repeats` times each, so both see the same neighbours on a shared
 machine; steps/s is the median. The followers are launched once, before timing. Both runs must
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.distributed import Cluster, DistEngine
-from engine.engine import Engine
+from kvchaos.engine.config import CacheConfig, EngineConfig
+from kvchaos.engine.distributed import Cluster, DistEngine
+from kvchaos.engine.engine import Engine
 
 WORKLOADS = {  # name: (requests, prompt length range, new tokens)
     "batch 1": (1, (32, 32), 96),
@@ -142,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace | None = None) -> int:
     if args is None:
-        ap = argparse.ArgumentParser(prog="python -m harness.bench_distributed", description=__doc__.splitlines()[0])
+        ap = argparse.ArgumentParser(prog="python -m kvchaos.harness.bench.distributed", description=__doc__.splitlines()[0])
         add_arguments(ap)
         args = ap.parse_args()
     torch.set_num_threads(1)  # as the follower ranks run

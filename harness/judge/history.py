@@ -11,7 +11,7 @@ Kinds and their fields:
   step       latency_s, host_s, free_blocks, running, waiting, prefill_tokens, decode_tokens,
              preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs, table_crc,
              cpu_s, and telemetry (RSS, CPU, GPU fields) on sampled steps
-  snapshot   the engine.protocols.Snapshot fields, plus live (requests the engine is running); taken
+  snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is running); taken
              as each step's table is uploaded (the table the kernels read), after a step that ran
              nothing, and once more at the end of the run (stamped one past the last step)
   engine     kind (cow | staging_realloc | ...), data

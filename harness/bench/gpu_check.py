@@ -8,9 +8,9 @@ CUDA context loses nothing else:
   gpu_tests     pytest -m gpu (JUnit XML kept as gpu-tests.xml)
   scenarios     every built-in scenario on CUDA in float32, float16 and bfloat16 against the oracle
                 (needs pydantic: without it the stage says so and the rest goes on)
-  bench_kernel  the Triton paged-decode kernel vs a device-to-device copy and SDPA (harness.bench_kernel)
-  staging       per-step latency with pinned vs pageable table staging (harness.bench_staging)
-  soak          `kvchaos soak --budget 2m --device cuda`, when harness.soak is there
+  bench_kernel  the Triton paged-decode kernel vs a device-to-device copy and SDPA (kvchaos.harness.bench.kernel)
+  staging       per-step latency with pinned vs pageable table staging (kvchaos.harness.bench.staging)
+  soak          `kvchaos soak --budget 2m --device cuda`, when kvchaos.harness.tools.soak is there
 
 Writes gpu-check.json, gpu-check.md, gpu-check.log and gpu-tests.xml into --out (the JSON and the
 Markdown are rewritten after every stage); scenario and soak run folders go under --work-dir.
@@ -57,7 +57,7 @@ PACKAGES = {  # distribution -> what needs it
 OK, FAILED, ERROR, TIMEOUT, SKIPPED, UNAVAILABLE = "ok", "failed", "error", "timeout", "skipped", "not available"
 
 
-# -- the stages (each runs in a child process: `python -m harness.gpu_check --stage NAME ...`) ----------
+# -- the stages (each runs in a child process: `python -m kvchaos.harness.bench.gpu_check --stage NAME ...`) ----------
 def stage_env(ctx: dict) -> dict:
     import torch
 
@@ -72,7 +72,7 @@ def stage_env(ctx: dict) -> dict:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
                     memory_gib=round(p.total_memory / 2**30, 1), l2_mib=getattr(p, "L2_cache_size", 0) / 2**20)
-    from harness.telemetry import Telemetry, _nvml
+    from kvchaos.harness.judge.telemetry import Telemetry, _nvml
     tel = Telemetry(ctx["device"])
     info["telemetry"] = {**tel.status(), "sample": tel.sample()}
     if "nv" in _nvml():
@@ -102,9 +102,10 @@ def stage_gpu_tests(ctx: dict) -> dict:
 
 def stage_scenarios(ctx: dict) -> dict:
     try:
-        from harness.runner import resolve_device, run_scenario
-        from harness.history import read_history
-        from harness.scenario import builtin_scenarios, load_scenario
+        from kvchaos.harness.judge.runner import resolve_device, run_scenario
+        from kvchaos.harness.report.render import publish
+        from kvchaos.harness.judge.history import read_history
+        from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
     except ImportError as e:
         return {"status": UNAVAILABLE, "summary": f"scenarios cannot load: {e} (install pydantic; the kernel bench "
                                                   "and gpu tests do not need it)"}
@@ -122,7 +123,8 @@ def stage_scenarios(ctx: dict) -> dict:
             s = sc.model_copy(deep=True)
             s.engine = {**s.engine, "model": {**s.engine.get("model", {}), "dtype": dtype}}
             t0 = time.monotonic()
-            r = run_scenario(s, row["seed"], device=device, report_dir=Path(ctx["work"]) / "runs", timeout_s=left - 1)
+            r = publish(run_scenario(s, row["seed"], device=device, report_dir=Path(ctx["work"]) / "runs",
+                                     timeout_s=left - 1))
             per_run.append(time.monotonic() - t0)
             ev = read_history(r.run_dir / "history.jsonl")
             oracle = [e for e in ev if e["e"] == "oracle"]
@@ -146,7 +148,7 @@ def stage_scenarios(ctx: dict) -> dict:
 
 
 def stage_bench_kernel(ctx: dict) -> dict:
-    from harness.bench_kernel import bench
+    from kvchaos.harness.bench.kernel import bench
 
     r = bench("quick" if ctx["quick"] else "full")
     (Path(ctx["out"]) / "bench-kernel.json").write_text(json.dumps(r, indent=1))
@@ -161,7 +163,7 @@ def stage_bench_kernel(ctx: dict) -> dict:
 
 
 def stage_staging(ctx: dict) -> dict:
-    from harness.bench_staging import measure
+    from kvchaos.harness.bench.staging import measure
 
     r = measure(ctx["device"])
     if not r["applicable"]:
@@ -172,13 +174,13 @@ def stage_staging(ctx: dict) -> dict:
 
 
 def stage_soak(ctx: dict) -> dict:
-    if importlib.util.find_spec("harness.soak") is None:
+    if importlib.util.find_spec("kvchaos.harness.tools.soak") is None:
         return {"status": UNAVAILABLE, "summary": "soak: not available (harness/soak.py is not in this checkout)"}
     missing = [m for m in SOAK_NEEDS if importlib.util.find_spec(m) is None]  # pydantic: the --help below
     if missing:
         return {"status": UNAVAILABLE, "summary": f"soak: not available (it needs {', '.join(missing)})"}
     budget = max(20, min(SOAK_BUDGET_S, int(ctx["limit_s"]) - 30))
-    base = [sys.executable, "-m", "harness.cli", "soak"]
+    base = [sys.executable, "-m", "kvchaos.harness.cli", "soak"]
     help_ = _run(base + ["--help"], 30, env=ctx["env"])
     if help_ is None or help_.returncode != 0:
         return {"status": UNAVAILABLE, "summary": "soak: `kvchaos soak --help` failed",
@@ -290,7 +292,7 @@ def run_stage_child(args) -> int:
            "quick": args.quick, "save": save}
     if args.device == "cpu":
         try:
-            from harness.runner import resolve_device
+            from kvchaos.harness.judge.runner import resolve_device
             resolve_device("cpu")
         except ImportError:
             pass
@@ -331,7 +333,7 @@ def run_check(args) -> dict:
         _say(f"[gpu-check] {name}: up to {limit:.0f} s")
         res_path = work / f"stage-{name}.json"
         res_path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "harness.gpu_check", "--stage", name, "--out", str(out), "--work-dir", str(work),
+        cmd = [sys.executable, "-m", "kvchaos.harness.bench.gpu_check", "--stage", name, "--out", str(out), "--work-dir", str(work),
                "--device", device, "--limit-s", str(limit), "--dtypes", args.dtypes] + \
               [a for s in args.scenario or [] for a in ("--scenario", s)] + (["--quick"] if args.quick else [])
         stage_env = dict(env, TRITON_INTERPRET="1") if name == "bench_kernel" and args.cpu_dry_run else env
@@ -489,7 +491,7 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m harness.gpu_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvchaos.harness.bench.gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)

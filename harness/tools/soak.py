@@ -31,7 +31,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from harness.verdict import ERROR, EXIT_CODES, FALSE_ALARM, INCONCLUSIVE, MEANING, MISSED, PASS
+from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FALSE_ALARM, INCONCLUSIVE, MEANING, MISSED, PASS
 
 NONDETERMINISM = "NONDETERMINISM"
 EXIT_NONDETERMINISM = 14
@@ -108,7 +108,7 @@ def _draw(rng: random.Random, spec):
 
 def generate_scenario(seed: int) -> dict:
     """The scenario dict (the TOML file's shape) that this seed stands for."""
-    from faults import REGISTRY
+    from kvchaos.faults import REGISTRY
 
     rng = random.Random(f"{seed}/soak")
     e, w = SPACE["engine"], SPACE["workload"]
@@ -169,7 +169,7 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     fingerprint, the run's primary (the one a reproducer must keep) first. label is the verdict,
     or DETECTED for a PASS that caught its planted defect. A finding's failure mode is the fault
     in the run (planted first) whose detectors include its checker, else "-"."""
-    from faults import REGISTRY
+    from kvchaos.faults import REGISTRY
 
     v = results["verdict"]
     planted = [f["name"] for f in faults if f.get("defect", True)]
@@ -258,8 +258,9 @@ class Ledger:
 # -- the worker process -----------------------------------------------------------------------
 def _worker_main(conn) -> None:
     """Runs jobs until told to stop. Lives in a spawned process, so the parent can kill a hang."""
-    from harness.runner import run_scenario
-    from harness.scenario import load_scenario
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.report.render import publish  # noqa: F401  imported before ready
 
     conn.send({"ready": True})  # imports done: run deadlines start counting from here
     while True:
@@ -279,11 +280,14 @@ def _worker_main(conn) -> None:
 
 
 def _execute(job: dict, run_scenario, load_scenario) -> dict:
+    from kvchaos.harness.report.render import publish
+
     sc = load_scenario(job["scenario_path"])
     if job["op"] == "replay":
         r = run_scenario(sc, job["seed"], job["device"], None, timeout_s=job["timeout_s"])
         return {"digest": r.results["history_digest"], "verdict": r.verdict}
-    r = run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"], index=False)
+    r = publish(run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"]),
+                index=False)
     (r.run_dir / "scenario.json").write_text(json.dumps(job["scenario"], indent=1))
     res = r.results
     return {"run_dir": str(r.run_dir), "verdict": r.verdict, "summary": r.summary, "steps": res["steps"],
@@ -373,7 +377,7 @@ class Soak:
     def __init__(self, args) -> None:
         import psutil
 
-        from harness.runner import git_commit, resolve_device
+        from kvchaos.harness.judge.runner import git_commit, resolve_device
 
         self.budget = parse_budget(args.budget)
         self.shard = parse_shard(args.shard)
@@ -411,8 +415,8 @@ class Soak:
 
     # -- one run ----------------------------------------------------------------------------
     def _job(self, k: int) -> dict:
-        from harness.scenario import parse_scenario
-        from harness.toml_writer import dumps
+        from kvchaos.harness.judge.scenario import parse_scenario
+        from kvchaos.harness.judge.toml_writer import dumps
 
         seed = shard_seed(self.seed_start, k, self.shard)
         data = generate_scenario(seed)
@@ -429,7 +433,7 @@ class Soak:
 
     def _killed_run(self, job: dict, why: str, detail: str = "") -> dict:
         """Record a run the worker gave no result for: in its own folder if it made one."""
-        from harness.runner import new_run_dir
+        from kvchaos.harness.judge.runner import new_run_dir
 
         seed = job["seed"]
         found = sorted((self.dir / "runs").glob(f"*-soak-{seed}-s{seed}"))
@@ -583,7 +587,7 @@ class Soak:
         (self.dir / "soak-summary.md").write_text(render_md(summary), encoding="utf-8")
         (self.dir / "soak-summary.html").write_text(render_html(summary), encoding="utf-8")
         if (self.dir / "runs").is_dir():  # the kept runs' index, once (not after every run of the night)
-            from harness.report import update_index
+            from kvchaos.harness.report.index import update_index
             try:
                 update_index(self.dir / "runs")
             except Exception as e:  # the summary and the runs are written; only their listing is missing
@@ -776,6 +780,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    from harness.cli import main as cli_main
+    from kvchaos.harness.cli import main as cli_main
 
     sys.exit(cli_main(["soak", *sys.argv[1:]]))

@@ -8,7 +8,7 @@ by the copy call, and when the copy is complete.
 On the CPU there is no host-to-device copy at all, so the comparison does not apply; the result
 says so instead of reporting a number.
 
-  python -m harness.bench_staging [--json FILE]
+  python -m kvchaos.harness.bench.staging [--json FILE]
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.staging import StagingBuffer
+from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvchaos.engine.engine import Engine
+from kvchaos.engine.staging import StagingBuffer
 
 NOT_APPLICABLE = ("not applicable: no CUDA device. On the CPU the block table never crosses to a device, so pinned "
                   "and pageable staging are the same host copy")
@@ -120,7 +120,7 @@ def print_report(r: dict) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m harness.bench_staging", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvchaos.harness.bench.staging", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()

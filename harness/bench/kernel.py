@@ -12,8 +12,8 @@ query heads over 8 KV heads (GQA 4), head_dim 128, bf16, block 16):
   - the paged kernel reaches >= 70% of the copy bandwidth
   - paged (random permuted block ids) takes <= 1.15x the same kernel on an identity table
 
-  python -m harness.bench_kernel [--quick] [--json FILE]   # needs CUDA
-  python -m harness.bench_kernel --interpret               # CPU smoke: tiny shapes, Triton interpreter
+  python -m kvchaos.harness.bench.kernel [--quick] [--json FILE]   # needs CUDA
+  python -m kvchaos.harness.bench.kernel --interpret               # CPU smoke: tiny shapes, Triton interpreter
 """
 from __future__ import annotations
 
@@ -126,8 +126,8 @@ def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 def bench(mode: str = "full", runs: int | None = None, warmup: int | None = None, sweep: bool = True,
           torch_paged: bool = True, seed: int = 0) -> dict:
-    from engine.attention import paged_decode_torch
-    from engine.triton_decode import _auto_splits, paged_decode_triton
+    from kvchaos.engine.attention import paged_decode_torch
+    from kvchaos.engine.triton_decode import _auto_splits, paged_decode_triton
     import triton
 
     interp = _interpreting()
@@ -250,7 +250,7 @@ def main(args) -> int:
         env = {**os.environ, "TRITON_INTERPRET": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                            os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "harness.bench_kernel", "--interpret"] + sys_args(args)
+        cmd = [sys.executable, "-m", "kvchaos.harness.bench.kernel", "--interpret"] + sys_args(args)
         try:
             return subprocess.run(cmd, env=env, timeout=300).returncode
         except subprocess.TimeoutExpired:
@@ -280,7 +280,7 @@ def sys_args(args) -> list[str]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m harness.bench_kernel", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvchaos.harness.bench.kernel", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     sys.exit(main(ap.parse_args()))

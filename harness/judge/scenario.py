@@ -2,8 +2,9 @@
 what is allowed."""
 from __future__ import annotations
 
+import csv
 import dataclasses
-import re
+import json
 import typing
 from pathlib import Path
 from typing import Literal
@@ -15,10 +16,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.errors import ConfigError, KVChaosError
+from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvchaos.engine.errors import ConfigError, KVChaosError
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 CHECKERS = ("oracle_divergence", "block_accounting", "table_integrity", "latency", "cross_rank", "liveness")
 
 
@@ -202,7 +203,7 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
             msg = f"{msg}, got {err.get('input')!r}"
         where = f"{_where(err['loc'])}: " if err["loc"] else ""  # top-level checks name their key
         raise ScenarioError(f"{source}: {where}{msg}{more}") from None
-    from faults import REGISTRY, ParamError  # here, not at the top: faults imports the workload, which imports this
+    from kvchaos.faults import REGISTRY, ParamError  # here, not at the top: faults imports the workload, which imports this
 
     for i, f in enumerate(sc.faults):  # names and values, now rather than as an ERROR when the run arms it
         try:
@@ -210,8 +211,6 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
         except ParamError as e:
             raise ScenarioError(f"{source}: faults.{i}.params.{e.key}: {e.reason}") from None
     if sc.workload.lengths_file:
-        from harness.workload import read_lengths
-
         try:
             read_lengths(sc.workload.lengths_file)
         except ScenarioError as e:
@@ -239,19 +238,37 @@ def load_scenario(path: str | Path) -> Scenario:
     return parse_scenario(data, str(p))
 
 
-def is_scenario_file(path: Path) -> bool:
-    if path.suffix != ".toml":
-        return False
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return path.parent.name == "scenarios"
-    try:
-        return "scenario" in tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        # a broken file where scenarios live, or one with a [scenario] table: report it, never skip it
-        return path.parent.name == "scenarios" or re.search(r"(?m)^\s*\[\s*scenario\s*\]", text) is not None
-
-
 def builtin_scenarios() -> list[Scenario]:
     return [load_scenario(p) for p in sorted(BUILTIN_DIR.glob("*.toml"))]
+
+
+def read_lengths(path: str) -> list[tuple[int, int]]:
+    """CSV (prompt_len,output_len per row, header optional) or JSONL ({"prompt_len":, "output_len":})."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ScenarioError(f"cannot read {path}: {e.strerror}") from None
+    out = []
+    if p.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                    out.append((n, int(r["prompt_len"]), int(r["output_len"])))
+                except (ValueError, KeyError, TypeError):
+                    raise ScenarioError(f"{path}:{n}: expected {{\"prompt_len\": int, \"output_len\": int}}") from None
+    else:
+        for n, row in enumerate(csv.reader(text.splitlines()), 1):
+            if not row or (n == 1 and not row[0].strip().lstrip("+-").isdigit()):
+                continue  # blank line or header
+            try:
+                out.append((n, int(row[0]), int(row[1])))
+            except (ValueError, IndexError):
+                raise ScenarioError(f"{path}:{n}: expected prompt_len,output_len") from None
+    for n, a, b in out:
+        if a < 1 or b < 1:
+            raise ScenarioError(f"{path}:{n}: lengths must be >= 1, got prompt_len={a} output_len={b}")
+    if not out:
+        raise ScenarioError(f"{path}: no lengths in the file")
+    return [(a, b) for _, a, b in out]

@@ -15,19 +15,19 @@ from pathlib import Path
 
 import torch
 
-from engine.distributed import DistEngine
-from engine.engine import Engine
-from engine.errors import InvalidRequest, RequestRejected
-from engine.sequence import State
-from faults import make_fault
-from harness.checkers import run_checkers
-from harness.history import History
-from harness.oracle import Oracle
-from harness.scenario import Scenario
-from harness.toml_writer import dumps
-from harness.telemetry import Telemetry
-from harness.verdict import decide
-from harness.workload import build_plan
+from kvchaos.engine.distributed import DistEngine
+from kvchaos.engine.engine import Engine
+from kvchaos.engine.errors import InvalidRequest, RequestRejected
+from kvchaos.engine.sequence import State
+from kvchaos.faults import make_fault
+from kvchaos.harness.judge.checkers import run_checkers
+from kvchaos.harness.judge.history import History
+from kvchaos.harness.judge.oracle import Oracle
+from kvchaos.harness.judge.scenario import Scenario
+from kvchaos.harness.judge.toml_writer import dumps
+from kvchaos.harness.judge.telemetry import Telemetry
+from kvchaos.harness.judge.verdict import decide
+from kvchaos.harness.judge.workload import build_plan
 
 DEFAULT_REPORT_DIR = Path("reports")
 # Requests that produce no more tokens wait for the oracle in a queue, checked in padded passes
@@ -83,6 +83,7 @@ class RunResult:
     summary: str
     findings: list = field(default_factory=list)
     results: dict = field(default_factory=dict)
+    events: list = field(default_factory=list, repr=False)  # the history, for the reports
 
 
 class _Run:
@@ -272,11 +273,11 @@ def new_run_dir(report_dir: Path, name: str, seed: int) -> Path:
 def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir: Path | str | None = DEFAULT_REPORT_DIR,
                  block_manager=None, block_manager_spec: str | None = None, timeout_s: float | None = None,
                  tp_mode: str | None = None, world_size: int | None = None,
-                 cluster=None, index: bool = True) -> RunResult:
+                 cluster=None) -> RunResult:
     """Run one scenario with one seed. report_dir=None keeps nothing on disk. tp_mode / world_size
-    override the scenario's engine.tp_mode / tp_size; cluster: an engine.distributed.Cluster to reuse.
-    index=False: point report_dir/latest at the run but leave report_dir/index.html to the caller
-    (a batch rebuilds it once at its end: each rebuild reads every run folder's entry)."""
+    override the scenario's engine.tp_mode / tp_size; cluster: a kvchaos.engine.distributed.Cluster to reuse.
+    Writes the run's record (scenario.toml, history.jsonl, results.json); reports are the caller's:
+    kvchaos.harness.report.render.publish(result)."""
     tp = {k: v for k, v in (("tp_mode", tp_mode), ("tp_size", world_size)) if v is not None}
     device = resolve_device(device)
     run_dir = new_run_dir(Path(report_dir), sc.name, seed) if report_dir is not None else None
@@ -297,7 +298,7 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
         history.append({"e": "run_start", "step": 0, "scenario": sc.name, "seed": seed, "config": cfg.to_dict(),
                         "config_hash": cfg.config_hash(), "commit": git_commit(), "device": device,
                         "time": dt.datetime.now().isoformat(timespec="seconds"),
-                        "block_manager": block_manager_spec or "engine.block_manager:BlockManager",
+                        "block_manager": block_manager_spec or "kvchaos.engine.block_manager:BlockManager",
                         "telemetry": run.telemetry.status(),
                         "plan": [a.to_dict() for a in run.plan.actions]})
         run.arm()
@@ -339,20 +340,10 @@ def run_scenario(sc: Scenario, seed: int, device: str | None = "cpu", report_dir
         "checkers": [c.to_dict() for c in checks], "history_digest": history.digest(),
         "metrics": _metrics(events), "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
     }
-    if run_dir is not None:
+    if run_dir is not None:  # the judge's record; the caller renders reports (kvchaos.harness.report.render.publish)
         (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
-        try:
-            from harness.report import point_latest, update_index, write_reports
-            write_reports(run_dir, results, events)
-            if index:
-                update_index(run_dir.parent, newest=run_dir)
-            else:
-                point_latest(run_dir.parent, run_dir.name)
-        except Exception as ex:  # a broken report must never cost the run its history and results
-            results["report_error"] = f"{type(ex).__name__}: {ex}"
-            (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     findings = [f for c in checks for f in c.findings]
-    return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results)
+    return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results, events)
 
 
 def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None):

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.block_manager import BlockManager, BlockPool
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import Engine
+from kvchaos.engine.block_manager import BlockManager, BlockPool
+from kvchaos.engine.config import CacheConfig, EngineConfig
+from kvchaos.engine.engine import Engine
 
 perf = time.perf_counter
 
@@ -511,17 +511,18 @@ def bench_harness_overhead(repeats: int, names: list[str] | None = None, device:
     results, incidents, report.html) and the report index rebuilt once at the end."""
     import tempfile
 
-    from harness.history import History
-    from harness.report import update_index
-    from harness.runner import _Run, run_scenario
-    from harness.scenario import builtin_scenarios
+    from kvchaos.harness.judge.history import History
+    from kvchaos.harness.report.index import update_index
+    from kvchaos.harness.report.render import publish
+    from kvchaos.harness.judge.runner import _Run, run_scenario
+    from kvchaos.harness.judge.scenario import builtin_scenarios
 
     scs = [s for s in builtin_scenarios() if names is None or s.name in names]
     with tempfile.TemporaryDirectory() as tmp:
         def harness() -> float:
             t = perf()
             for sc in scs:
-                run_scenario(sc, 0, device=device, report_dir=tmp, index=False)
+                publish(run_scenario(sc, 0, device=device, report_dir=tmp), index=False)
             update_index(tmp)
             return perf() - t
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, asdict
 
 import torch
 
-from engine.model import Model
+from kvchaos.engine.model import Model
 
 # A padded pass may cost at most this many times its requests' own tokens; longer ones go in another.
 PAD_SLACK = 1.5

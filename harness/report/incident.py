@@ -1,29 +1,15 @@
-"""Re-check a stored run without re-running the engine: read RUN_DIR/history.jsonl, run the checkers
-again (with the options of RUN_DIR/scenario.toml), recompute the verdict with the fault evidence of
-the run_end event, and rewrite results.json, the incident-NNN.md files, report.html and the index of
-the folder above. Exits with the verdict's exit code."""
+"""Incidents from a run's own history: impact, trigger, evidence, root cause (known or suspected),
+timeline, reproduction. Reads results and events; never runs anything."""
 from __future__ import annotations
 
-import base64
-import bisect
-import io
-import json
-import os
 import statistics
 from pathlib import Path
 
-from engine.errors import KVChaosError
-from harness.history import deterministic_digest, read_history
-from harness.verdict import ERROR, EXIT_CODES, MEANING, PASS
+from kvchaos.harness.judge.verdict import ERROR, MEANING
+from kvchaos.harness.report.view import RunView
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-DEFAULT_BLOCK_MANAGER = "engine.block_manager:BlockManager"
+DEFAULT_BLOCK_MANAGER = "kvchaos.engine.block_manager:BlockManager"
 STRUCTURAL = ("table_integrity", "block_accounting", "cross_rank")  # wrong structure, right outputs: latent
-# KVCHAOS_PLOTS: which runs get the matplotlib figure (about 0.25 s of CPU each) in report.html:
-# failures (the default: runs that did not PASS), incidents (also the caught detections), all, none.
-# `kvchaos analyze` always draws it.
-PLOTS_ENV = "KVCHAOS_PLOTS"
-PLOT_MODES = ("failures", "incidents", "all", "none")
 TIMELINE_MAX, REPEATS_SHOWN, EVIDENCE_MAX = 80, 3, 12
 HOW = {"overlong": "overflowed its block-table row", "foreign_block": "its table row holds blocks it does not own",
        "leak": "cancelled, but its blocks were never freed", "divergence": "outputs diverged from the oracle",
@@ -31,68 +17,19 @@ HOW = {"overlong": "overflowed its block-table row", "foreign_block": "its table
        "latency_climb": "in the batch while latency climbed", "stale_table": "in a batch computed on a stale table"}
 
 
-class _View:
-    """One pass over a run's events: the indexes every section reads."""
-
-    def __init__(self, events: list[dict]) -> None:
-        self.events = events
-        by: dict[str, list[dict]] = {}
-        for e in events:
-            by.setdefault(e.get("e"), []).append(e)
-        self.by = by
-        self.start = (by.get("run_start") or [{}])[0]
-        self.end = (by.get("run_end") or [None])[-1]
-        self.steps = by.get("step", [])
-        self.snaps = by.get("snapshot", [])
-        self.snap_steps = [s["step"] for s in self.snaps]
-        self.armed = {e["fault"]: e["detail"] for e in by.get("fault", []) if e["kind"] == "armed"}
-        self.oracle = by.get("oracle", [])
-        self.diverged = [o for o in self.oracle if o.get("first_divergence") is not None]
-        self.t_ms, t = {0: 0.0}, 0.0
-        self.token_steps: dict[str, list[int]] = {}
-        for s in self.steps:
-            t += s["latency_s"] * 1e3
-            self.t_ms[s["step"]] = t
-            for r in s.get("tokens", {}):
-                self.token_steps.setdefault(r, []).append(s["step"])
-        self.last_step = self.steps[-1]["step"] if self.steps else 0
-        self.num_blocks = self.start.get("config", {}).get("cache", {}).get("num_blocks")
-
-    def at(self, step: int) -> float:
-        """Engine time (ms, summed step latencies) at the end of `step`."""
-        if step in self.t_ms:
-            return self.t_ms[step]
-        earlier = [s for s in self.t_ms if s <= step]
-        return self.t_ms[max(earlier)] if earlier else 0.0
-
-    def snapshot_before(self, step: int) -> dict | None:
-        i = bisect.bisect_left(self.snap_steps, step)
-        return self.snaps[i - 1] if i > 0 else None
-
-    def snapshot_at(self, step: int) -> dict | None:
-        i = bisect.bisect_left(self.snap_steps, step)
-        return self.snaps[i] if i < len(self.snaps) and self.snap_steps[i] == step else None
-
-    def requests_at(self, steps) -> set[str]:
-        want = set(steps)
-        return {r for r, ss in self.token_steps.items() if want.intersection(ss)}
-
-
-# -- incidents ------------------------------------------------------------------------------
-
 def _fault_knowledge(name: str | None, armed: dict) -> dict:
     if name is None:
         return {}
     if name in armed:
         return armed[name]
-    from faults import REGISTRY
+    from kvchaos.faults import REGISTRY
 
     f = REGISTRY.get(name)
     return {"name": name, "detectors": list(f.detectors), "root_cause": f.root_cause,
             "remediation": f.remediation} if f else {}
 
 
-def _subjects(results: dict, v: _View) -> list[tuple[str, str | None, list[str]]]:
+def _subjects(results: dict, v: RunView) -> list[tuple[str, str | None, list[str]]]:
     """(kind, fault, checkers) per incident: a planted defect caught or missed, findings that no
     planted defect explains (grouped by the trigger-only fault they point at), or the run's error."""
     checks = results.get("checkers", [])
@@ -124,7 +61,7 @@ def _findings(results: dict, checkers: list[str]) -> list[dict]:
     return sorted(fs, key=lambda f: f["step"])
 
 
-def _latency_change(v: _View, start: int | None, signal: str) -> dict | None:
+def _latency_change(v: RunView, start: int | None, signal: str) -> dict | None:
     """Median of `signal` over decode-only steps from `start` on, against the run's own baseline
     (decode-only steps before `start`, or the first dozen when there are too few)."""
     dec = [s for s in v.steps if s.get("prefill_tokens", 0) == 0 and s.get("decode_tokens", 0) > 0 and signal in s]
@@ -141,7 +78,7 @@ def _latency_change(v: _View, start: int | None, signal: str) -> dict | None:
             "ratio": a / b if b > 0 else None, "baseline_steps": len(before), "after_steps": len(after)}
 
 
-def _impact(v: _View, results: dict, fault: str | None, findings: list[dict], start: int | None) -> dict:
+def _impact(v: RunView, results: dict, fault: str | None, findings: list[dict], start: int | None) -> dict:
     affected: dict[str, set[str]] = {}
     for f in findings:
         ev = f["evidence"]
@@ -205,7 +142,7 @@ def _kv(d: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items() if not isinstance(v, (list, dict)) or len(str(v)) < 60)
 
 
-def _trigger(v: _View, fault: str | None, fv: dict) -> dict:
+def _trigger(v: RunView, fault: str | None, fv: dict) -> dict:
     cfg = v.start.get("config", {})
     cc = cfg.get("cache", {})
     engine = (f"{cc.get('num_blocks')} blocks of {cc.get('block_size')} tokens; table {cc.get('max_num_seqs')} rows x "
@@ -237,14 +174,14 @@ def _trigger(v: _View, fault: str | None, fv: dict) -> dict:
             "events_total": len(evs), "description": desc}
 
 
-def _evidence(v: _View, f: dict, fv: dict) -> dict:
+def _evidence(v: RunView, f: dict, fv: dict) -> dict:
     try:
         return _evidence_of(v, f, fv)
     except (KeyError, IndexError, TypeError, ValueError):  # a checker changed its evidence: show it raw
         return {"type": f["checker"], "step": f["step"], "text": f["message"], "data": f["evidence"]}
 
 
-def _evidence_of(v: _View, f: dict, fv: dict) -> dict:
+def _evidence_of(v: RunView, f: dict, fv: dict) -> dict:
     ev, k, s = f["evidence"], f["kind"], f["step"]
     if k == "divergence":
         o = next((o for o in v.diverged if o["req"] == ev["req"]), {})
@@ -307,7 +244,7 @@ def _evidence_of(v: _View, f: dict, fv: dict) -> dict:
     return {"type": f["checker"], "step": s, "text": f["message"], "data": ev}
 
 
-def _detection(v: _View, results: dict, kind: str, fault: str | None, findings: list[dict], start: int | None) -> dict:
+def _detection(v: RunView, results: dict, kind: str, fault: str | None, findings: list[dict], start: int | None) -> dict:
     exp = results.get("expectation", {})
     fv = (results.get("fault_verify") or {}).get(fault, {}) if fault else {}
     caught = [f for f in findings if start is None or f["step"] >= start]
@@ -342,7 +279,7 @@ def _detection(v: _View, results: dict, kind: str, fault: str | None, findings: 
             "evidence": evidence}
 
 
-def _error(v: _View, results: dict) -> dict | None:
+def _error(v: RunView, results: dict) -> dict | None:
     return next(iter(v.by.get("error", [])), None) or results.get("error")  # the history's has the traceback
 
 
@@ -356,7 +293,7 @@ def _where(err: dict | None) -> str | None:
     return f"{Path(parts[1]).name}:{line}" if len(parts) > 2 else frames[-1]
 
 
-def _root_cause(v: _View, kind: str, fault: str | None, checkers: list[str], results: dict) -> tuple[dict, str]:
+def _root_cause(v: RunView, kind: str, fault: str | None, checkers: list[str], results: dict) -> tuple[dict, str]:
     bm = v.start.get("block_manager", DEFAULT_BLOCK_MANAGER)
     own = bm != DEFAULT_BLOCK_MANAGER
     if kind == "error":
@@ -391,7 +328,7 @@ def _root_cause(v: _View, kind: str, fault: str | None, checkers: list[str], res
                         f"{' in your block manager ' + bm if own else ''}; what that failure looks like: "
                         f"{k.get('root_cause', '')} Or the checker is wrong: a harness false positive."}, \
             k.get("remediation", "")
-    from faults import REGISTRY
+    from kvchaos.faults import REGISTRY
 
     cands = [f for f in REGISTRY.values() if checkers and checkers[0] in f.detectors]
     text = (f"nothing was planted, so the harness cannot know. {', '.join(checkers)} "
@@ -403,7 +340,7 @@ def _root_cause(v: _View, kind: str, fault: str | None, checkers: list[str], res
         " / ".join(f"if {f.name}: {f.remediation}" for f in cands) or "investigate the evidence above"
 
 
-def _timeline(v: _View, results: dict) -> list[dict]:
+def _timeline(v: RunView, results: dict) -> list[dict]:
     items = []
 
     def add(step, order, text, mark="", group=None):
@@ -517,7 +454,7 @@ def _title(kind, fault, det, results) -> str:
 
 def build_incidents(results: dict, events: list[dict], run_dir: Path | None = None) -> list[dict]:
     """The incidents of one run as plain data (what results.json holds and the templates render)."""
-    v = _View(events)
+    v = RunView(events)
     timeline = None
     out = []
     for kind, fault, checkers in _subjects(results, v):
@@ -557,288 +494,3 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                           if c["valid"] is True],
         })
     return out
-
-
-# -- rendering ------------------------------------------------------------------------------
-
-_ENV = None
-
-
-def _env():
-    global _ENV
-    if _ENV is None:
-        import jinja2
-
-        _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=lambda n: ".html" in (n or ""),
-                                  trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        _ENV.filters["ms"] = lambda x: "-" if x is None else f"{x:.2f} ms"
-        _ENV.filters["g"] = lambda x: "-" if x is None else f"{x:.3g}"
-        _ENV.filters["reqs"] = lambda rs: "; ".join(f"{a['req']} ({', '.join(a['how'])})" for a in rs)
-        _ENV.filters["cell"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
-    return _ENV
-
-
-def _windows(v: _View, verify: dict) -> list[tuple[str, int, int]]:
-    """Steps where each fault was triggered or fired, merged into spans; a fault whose verify()
-    counts more firings than it logged events kept firing silently: its last span runs to the end."""
-    out = []
-    for name in v.armed:
-        steps = sorted({e["step"] for e in v.by.get("fault", []) if e["fault"] == name and e["kind"] != "armed"})
-        if not steps:
-            continue
-        spans = [[steps[0], steps[0]]]
-        for s in steps[1:]:
-            if s <= spans[-1][1] + 1:
-                spans[-1][1] = s
-            else:
-                spans.append([s, s])
-        logged = sum(1 for e in v.by.get("fault", []) if e["fault"] == name and e["kind"] == "fired")
-        if verify.get(name, {}).get("times", 0) > logged:
-            spans[-1][1] = v.last_step
-        out += [(name, a, b) for a, b in spans]
-    return out
-
-
-def plot_run(v: _View, verify: dict) -> str:
-    """One figure, three panels (latency, free blocks, divergence per request), as a PNG data URI."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 9), dpi=72)
-    FigureCanvasAgg(fig)
-    ax_lat, ax_free, ax_div = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 3]})
-    xs = [s["step"] for s in v.steps]
-    ax_lat.plot(xs, [s["latency_s"] * 1e3 for s in v.steps], lw=1, label="latency_s (whole step)")
-    ax_lat.plot(xs, [s["host_s"] * 1e3 for s in v.steps], lw=1, label="host_s (host side)")
-    ax_lat.set_ylabel("ms per step")
-    ax_lat.set_title(f"{v.start.get('scenario', '?')} seed {v.start.get('seed', '?')}", loc="left")
-    ax_free.step(xs, [s["free_blocks"] for s in v.steps], where="mid", lw=1, color="tab:green", label="free blocks")
-    if v.num_blocks:
-        ax_free.axhline(v.num_blocks, ls=":", color="grey", label=f"pool ({v.num_blocks})")
-    ax_free.set_ylabel("free blocks")
-    colours = ["tab:red", "tab:purple", "tab:orange", "tab:brown"]
-    windows = _windows(v, verify)
-    for i, name in enumerate(v.armed):
-        spans = [(a - .5, b - a + 1) for n, a, b in windows if n == name]
-        if not spans:
-            continue
-        for ax in (ax_lat, ax_free, ax_div):  # one collection per fault and panel: an axvspan per window is slow
-            ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(), color=colours[i % len(colours)],
-                           alpha=.15, lw=0, label=name)
-    reqs = sorted(v.token_steps, key=lambda r: (v.token_steps[r][0], r))
-    div = {o["req"]: o for o in v.diverged}
-    for y, r in enumerate(reqs):
-        ss = v.token_steps[r]
-        ax_div.hlines(y, ss[0], ss[-1], color="tab:blue", lw=2)
-        if r in div and div[r]["divergence_step"] is not None:
-            d = div[r]["divergence_step"]
-            ax_div.hlines(y, d, ss[-1], color="tab:red", lw=3)
-            ax_div.plot([d], [y], "x", color="black")
-            ax_div.annotate(f"{div[r]['abs_err_at_divergence']:.2g}", (d, y), xytext=(3, 3),
-                            textcoords="offset points", fontsize=7)
-    if len(reqs) <= 24:  # tick labels are most of the drawing time: name requests only when few
-        ax_div.set_yticks(range(len(reqs)), reqs, fontsize=7)
-    ax_div.set_ylabel("request")
-    ax_div.set_xlabel("engine step")
-    ax_div.set_title(f"tokens per request (red: diverged from the oracle, label = logit error); "
-                     f"{len(v.diverged)} of {len(v.oracle)} diverged", loc="left", fontsize=9)
-    ax_lat.legend(fontsize=8, loc="upper left")
-    ax_free.legend(fontsize=8, loc="lower left")
-    fig.subplots_adjust(left=.07, right=.99, top=.96, bottom=.06, hspace=.12)  # tight_layout would draw twice
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _write(path: Path, text: str) -> None:
-    """Write through a temporary file so a reader (or a crash) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_reports(run_dir: Path | str, results: dict, events: list[dict] | None = None,
-                  plots: bool | None = None) -> list[Path]:
-    """Incidents (incident-NNN.md and results["incidents"]), results.json and report.html for one run.
-    plots=None: as KVCHAOS_PLOTS says (default: a figure only for runs that did not PASS)."""
-    run_dir = Path(run_dir)
-    mode = os.environ.get(PLOTS_ENV) or "failures"
-    if plots is None and mode not in PLOT_MODES:
-        raise ValueError(f"{PLOTS_ENV}={mode!r}: expected one of {', '.join(PLOT_MODES)}")
-    if events is None:
-        events = read_history(run_dir / "history.jsonl")
-    v = _View(events)
-    incidents = build_incidents(results, events, run_dir)
-    results["incidents"] = incidents
-    results.setdefault("started", v.start.get("time"))
-    for old in run_dir.glob("incident-*.md"):
-        old.unlink()
-    written = []
-    tpl = _env().get_template("incident.md.j2")
-    for inc in incidents:
-        p = run_dir / inc["file"]
-        _write(p, tpl.render(i=inc, r=results))
-        written.append(p)
-    _write(run_dir / "results.json", json.dumps(results, indent=1, default=str))
-    written.append(run_dir / "results.json")
-    if plots is None:
-        plots = {"failures": results["verdict"] != PASS, "incidents": bool(incidents), "all": True,
-                 "none": False}[mode]
-    figure = plot_run(v, results.get("fault_verify") or {}) if plots and v.steps else None
-    samples = [st["telemetry"] for st in v.steps if "telemetry" in st]
-    telemetry = {"status": v.start.get("telemetry"), "summary": (v.end or {}).get("telemetry"),
-                 "last": samples[-1] if samples else None}
-    html = _env().get_template("report.html.j2").render(
-        r=results, incidents=incidents, figure=figure, checks=results.get("checkers", []), plots_env=PLOTS_ENV,
-        telemetry=telemetry,
-        files=sorted(p.name for p in run_dir.iterdir() if p.is_file() and not p.name.startswith(".")))
-    _write(run_dir / "report.html", html)
-    written.append(run_dir / "report.html")
-    return written
-
-
-# -- index across runs ----------------------------------------------------------------------
-
-INDEX_CACHE = "index.json"
-INDEX_ROWS = 500  # index.html lists the newest runs; index.json keeps them all
-
-
-def _entry(d: Path) -> dict:
-    r = json.loads((d / "results.json").read_text(encoding="utf-8"))
-    return {"dir": d.name, "verdict": r.get("verdict"), "scenario": r.get("scenario"), "seed": r.get("seed"),
-            "time": r.get("started"), "steps": r.get("steps"), "summary": r.get("summary", ""),
-            "incidents": len(r.get("incidents", [])), "wall_s": r.get("wall_s"),
-            "report": (d / "report.html").is_file()}
-
-
-def update_index(report_dir: Path | str, newest: Path | None = None) -> Path:
-    """report_dir/index.html over every run folder, newest first, and report_dir/latest -> the newest.
-    Entries are cached in index.json by results.json's mtime, so a folder of thousands of runs costs
-    a stat per run, not a parse."""
-    report_dir = Path(report_dir)
-    cache_path = report_dir / INDEX_CACHE
-    try:
-        cache = json.loads(cache_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        cache = {}
-    rows = []
-    for d in report_dir.iterdir():
-        res = d / "results.json"
-        if d.is_symlink() or not d.is_dir() or not res.is_file():
-            continue
-        hist = d / "history.jsonl"
-        stamp = res.stat().st_mtime_ns
-        order = hist.stat().st_mtime_ns if hist.is_file() else stamp
-        c = cache.get(d.name)
-        if not c or c.get("stamp") != stamp:
-            try:
-                c = {**_entry(d), "stamp": stamp}
-            except (OSError, ValueError):  # being written by another process: next time
-                continue
-        rows.append({**c, "order": order})
-    rows.sort(key=lambda e: (e["order"], e["dir"]), reverse=True)
-    _write(cache_path, json.dumps({e["dir"]: e for e in rows}, indent=0))
-    counts = {}
-    for e in rows:
-        counts[e["verdict"]] = counts.get(e["verdict"], 0) + 1
-    _write(report_dir / "index.html", _env().get_template("index.html.j2").render(
-        rows=rows[:INDEX_ROWS], counts=counts, total=len(rows)))
-    target = Path(newest).name if newest is not None else (rows[0]["dir"] if rows else None)
-    if target:
-        point_latest(report_dir, target)
-    return report_dir / "index.html"
-
-
-def point_latest(report_dir: Path, target: str) -> None:
-    link = report_dir / "latest"
-    tmp = report_dir / f".latest.{os.getpid()}.tmp"
-    try:
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
-        os.symlink(target, tmp, target_is_directory=True)
-        os.replace(tmp, link)  # atomic: a reader sees the old link or the new one, never none
-    except OSError:
-        if tmp.is_symlink():
-            tmp.unlink()
-        _write(report_dir / "LATEST", target + "\n")
-
-
-# -- kvchaos analyze ------------------------------------------------------------------------
-
-def _scenario_of(run_dir: Path, name: str | None):
-    from harness.scenario import load_scenario
-
-    stored = run_dir / "scenario.toml"
-    if stored.is_file():
-        return load_scenario(stored)
-    if not name:
-        raise KVChaosError(f"{run_dir}: no scenario.toml and no scenario name in the history: cannot re-check it")
-    try:
-        return load_scenario(name)
-    except KVChaosError as e:
-        raise KVChaosError(f"{run_dir}: no scenario.toml in it, and {e}") from None
-
-
-def analyze(run_dir: Path | str, plots: bool = True) -> dict:
-    """Re-check a stored run and rewrite its results and reports; returns the new results."""
-    from harness.runner import _metrics, evaluate, replay_command
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "history.jsonl").is_file():
-        why = "no such folder" if not run_dir.exists() else "no history.jsonl in it"
-        raise KVChaosError(f"{run_dir}: not a run folder ({why}; `kvchaos run` makes them under --report-dir)")
-    events = read_history(run_dir / "history.jsonl")
-    v = _View(events)
-    try:
-        stored = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        stored = {}
-    except ValueError as e:
-        raise KVChaosError(f"{run_dir}/results.json: not valid JSON ({e}); move it aside to rebuild it") from None
-    sc = _scenario_of(run_dir, v.start.get("scenario") or stored.get("scenario"))
-    errs = v.by.get("error", [])
-    error = {k: errs[0].get(k, "") for k in ("error", "message", "traceback")} if errs else None
-    if v.end is None and error is None:
-        error = {"error": "Truncated", "message": "history.jsonl has no run_end event: the run was cut short",
-                 "traceback": ""}
-    verify = v.end["fault_verify"] if v.end else {}
-    checks, verdict = evaluate(sc, events, verify, error)
-    seed = v.start.get("seed", stored.get("seed"))
-    device = v.start.get("device", stored.get("device", "cpu"))
-    results = {
-        **stored, "scenario": sc.name, "seed": seed, "verdict": verdict.verdict, "summary": verdict.summary,
-        "exit_code": verdict.exit_code, "commit": v.start.get("commit", stored.get("commit")),
-        "config_hash": v.start.get("config_hash", stored.get("config_hash")), "device": device,
-        "steps": v.last_step, "reason": v.end["reason"] if v.end else "error",
-        "error": stored.get("error") if stored.get("error") and error else error,
-        "expectation": sc.expect.model_dump(), "time_to_detect_steps": verdict.time_to_detect, "fault_verify": verify,
-        "checkers": [c.to_dict() for c in checks], "history_digest": deterministic_digest(events),
-        "metrics": _metrics(events), "replay": stored.get("replay") or replay_command(sc, seed, device),
-        "analyzed_from": stored.get("verdict"),
-    }
-    results.pop("report_error", None)
-    write_reports(run_dir, results, events, plots=plots)
-    update_index(run_dir.parent)
-    return results
-
-
-def add_arguments(p) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds history.jsonl), e.g. reports/latest")
-    p.add_argument("--no-plots", action="store_true", help="skip the matplotlib figure in report.html")
-
-
-def main(args) -> int:
-    r = analyze(Path(args.run_dir), plots=not args.no_plots)
-    run_dir = Path(args.run_dir)
-    was = r.get("analyzed_from")
-    change = f" (stored verdict was {was})" if was and was != r["verdict"] else (" (same as stored)" if was else "")
-    print(f"{run_dir}: {r['verdict']}{change}: {r['summary']}")
-    fired = [c["checker"] for c in r["checkers"] if c["valid"] is False]
-    held = [c["checker"] for c in r["checkers"] if c["valid"] is True]
-    unknown = [c["checker"] for c in r["checkers"] if c["valid"] is None]
-    print(f"  checkers fired: {', '.join(fired) or '-'}; held: {', '.join(held) or '-'}"
-          + (f"; could not decide: {', '.join(unknown)}" if unknown else ""))
-    for inc in r["incidents"]:
-        print(f"  {inc['file']} [{inc['severity']}] {inc['title']}")
-    print(f"  report: {run_dir / 'report.html'}")
-    return EXIT_CODES[r["verdict"]]

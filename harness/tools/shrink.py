@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from harness.verdict import MISSED, PASS
+from kvchaos.harness.judge.verdict import MISSED, PASS
 
 EXIT_NOT_REPRODUCED = 1
 MAX_ARRIVAL_RATE = 64.0
@@ -94,7 +94,7 @@ def faster_arrivals(d: dict, ctx) -> Iterator[dict]:
 
 
 def smaller_fault_params(d: dict, ctx) -> Iterator[dict]:
-    from faults import REGISTRY
+    from kvchaos.faults import REGISTRY
 
     for i, f in enumerate(d.get("faults", [])):
         effective = {**REGISTRY[f["name"]].defaults, **f.get("params", {})}
@@ -186,8 +186,8 @@ class _Ctx:
 
 
 def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float) -> dict:
-    from harness.runner import run_scenario
-    from harness.soak import fingerprints
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.tools.soak import fingerprints
 
     r = run_scenario(sc, seed, device, None, timeout_s=timeout_s)
     fps = fingerprints(r.results, data.get("faults", []))
@@ -214,7 +214,7 @@ def shrink(data: dict, seed: int, device: str, target: dict, first: dict, max_ru
            log: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, int]:
     """(minimal scenario dict, its outcome, runs used). target: the outcome to keep; first: the
     outcome of re-running data as it is (one run, counted)."""
-    from harness.scenario import ScenarioError, parse_scenario
+    from kvchaos.harness.judge.scenario import ScenarioError, parse_scenario
 
     best, best_out, runs = copy.deepcopy(data), first, 1
     seen = {json.dumps(best, sort_keys=True)}
@@ -279,7 +279,7 @@ def test_{_ident(name)}_seed{seed}(kvchaos_run):
 
 
 def write_outputs(run_dir: Path, data: dict, seed: int, target: dict, before: dict, after: dict, runs: int) -> dict:
-    from harness.toml_writer import dumps
+    from kvchaos.harness.judge.toml_writer import dumps
 
     out_dir = run_dir / "minimal"
     out_dir.mkdir(exist_ok=True)
@@ -305,7 +305,7 @@ def _update_results(run_dir: Path, results: dict, minimal: dict) -> None:
     results["minimal_reproducer"] = minimal
     if (run_dir / "history.jsonl").is_file():
         try:
-            from harness.report import write_reports  # re-renders the incidents with the reproducer
+            from kvchaos.harness.report.render import write_reports  # re-renders the incidents with the reproducer
             write_reports(run_dir, results)
             return
         except ImportError:
@@ -324,8 +324,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from harness.replay import load_run
-    from harness.soak import fingerprints
+    from kvchaos.harness.tools.replay import load_run
+    from kvchaos.harness.tools.soak import fingerprints
 
     if args.max_runs < 1:
         raise ValueError(f"--max-runs {args.max_runs}: must be >= 1")

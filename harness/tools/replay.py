@@ -19,14 +19,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from harness.history import UNSTABLE_KEYS, _stable_line, iter_history
+from kvchaos.harness.judge.history import UNSTABLE_KEYS, _stable_line, iter_history
 
 EXIT_DIFFERENT = 1
 
 
 def load_run(run_dir: str | Path):
     """(Scenario, scenario dict, results) of a stored run; one clear error for a folder that is not one."""
-    from harness.scenario import ScenarioError, load_scenario, parse_scenario, tomllib
+    from kvchaos.harness.judge.scenario import ScenarioError, load_scenario, parse_scenario, tomllib
 
     d = Path(run_dir)
     if not d.is_dir():
@@ -80,7 +80,7 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
 
 def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | None = None) -> dict:
     """Re-run RUN_DIR; {"identical", "recorded_digest", "replay_digest", "first_difference", ...}."""
-    from harness.runner import run_scenario
+    from kvchaos.harness.judge.runner import run_scenario
 
     sc, _, results = load_run(run_dir)
     device = device or results["device"]

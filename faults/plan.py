@@ -1,0 +1,48 @@
+"""A run's plan: every submit, fork and cancel, by step. The workload builds it from a seed; each
+fault's trigger adds its own actions before the run. Shared vocabulary of faults and harness."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Action:
+    step: int                 # earliest step; with `when`, it waits until the request is in that phase
+    op: str                   # submit | fork | cancel
+    req: str
+    prompt: list[int] = field(default_factory=list)
+    max_new: int = 0
+    parent: str | None = None  # fork source
+    when: str | None = None    # waiting | prefill | decode | preempted | shared
+    origin: str = "workload"   # or the fault that added it
+
+    def to_dict(self) -> dict:
+        d = {"step": self.step, "op": self.op, "req": self.req, "origin": self.origin}
+        if self.op in ("submit", "fork"):
+            d.update(prompt_len=len(self.prompt), max_new=self.max_new)
+        if self.parent:
+            d["parent"] = self.parent
+        if self.when:
+            d["when"] = self.when
+        return d
+
+
+class Plan:
+    """Every action of a run, by step. Request ids are r0, r1, ... (forks f0, ...)."""
+
+    def __init__(self, vocab: int, rng: random.Random) -> None:
+        self.vocab, self.rng = vocab, rng
+        self.actions: list[Action] = []
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def add(self, action: Action) -> None:
+        self.actions.append(action)
+
+    def by_step(self) -> dict[int, list[Action]]:
+        out: dict[int, list[Action]] = {}
+        for a in sorted(self.actions, key=lambda a: a.step):  # stable: same-step order kept
+            out.setdefault(a.step, []).append(a)
+        return out

@@ -1,0 +1,1 @@
+"""Reports: read a run's results and history, never run anything."""

@@ -1,0 +1,105 @@
+"""Write one run's reports: incident-NNN.md, results.json (with its incidents) and report.html."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvchaos.harness.judge.history import read_history
+from kvchaos.harness.judge.verdict import PASS
+from kvchaos.harness.report.incident import build_incidents
+from kvchaos.harness.report.plots import plot_run
+from kvchaos.harness.report.view import RunView
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+# KVCHAOS_PLOTS: which runs get the matplotlib figure (about 0.25 s of CPU each) in report.html:
+# failures (the default: runs that did not PASS), incidents (also the caught detections), all, none.
+# `kvchaos analyze` always draws it.
+PLOTS_ENV = "KVCHAOS_PLOTS"
+PLOT_MODES = ("failures", "incidents", "all", "none")
+
+# -- rendering ------------------------------------------------------------------------------
+
+_ENV = None
+
+
+def template_env():
+    global _ENV
+    if _ENV is None:
+        import jinja2
+
+        _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=lambda n: ".html" in (n or ""),
+                                  trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        _ENV.filters["ms"] = lambda x: "-" if x is None else f"{x:.2f} ms"
+        _ENV.filters["g"] = lambda x: "-" if x is None else f"{x:.3g}"
+        _ENV.filters["reqs"] = lambda rs: "; ".join(f"{a['req']} ({', '.join(a['how'])})" for a in rs)
+        _ENV.filters["cell"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
+    return _ENV
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file so a reader (or a crash) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_reports(run_dir: Path | str, results: dict, events: list[dict] | None = None,
+                  plots: bool | None = None) -> list[Path]:
+    """Incidents (incident-NNN.md and results["incidents"]), results.json and report.html for one run.
+    plots=None: as KVCHAOS_PLOTS says (default: a figure only for runs that did not PASS)."""
+    run_dir = Path(run_dir)
+    mode = os.environ.get(PLOTS_ENV) or "failures"
+    if plots is None and mode not in PLOT_MODES:
+        raise ValueError(f"{PLOTS_ENV}={mode!r}: expected one of {', '.join(PLOT_MODES)}")
+    if events is None:
+        events = read_history(run_dir / "history.jsonl")
+    v = RunView(events)
+    incidents = build_incidents(results, events, run_dir)
+    results["incidents"] = incidents
+    results.setdefault("started", v.start.get("time"))
+    for old in run_dir.glob("incident-*.md"):
+        old.unlink()
+    written = []
+    tpl = template_env().get_template("incident.md.j2")
+    for inc in incidents:
+        p = run_dir / inc["file"]
+        write_atomic(p, tpl.render(i=inc, r=results))
+        written.append(p)
+    write_atomic(run_dir / "results.json", json.dumps(results, indent=1, default=str))
+    written.append(run_dir / "results.json")
+    if plots is None:
+        plots = {"failures": results["verdict"] != PASS, "incidents": bool(incidents), "all": True,
+                 "none": False}[mode]
+    figure = plot_run(v, results.get("fault_verify") or {}) if plots and v.steps else None
+    samples = [st["telemetry"] for st in v.steps if "telemetry" in st]
+    telemetry = {"status": v.start.get("telemetry"), "summary": (v.end or {}).get("telemetry"),
+                 "last": samples[-1] if samples else None}
+    html = template_env().get_template("report.html.j2").render(
+        r=results, incidents=incidents, figure=figure, checks=results.get("checkers", []), plots_env=PLOTS_ENV,
+        telemetry=telemetry,
+        files=sorted(p.name for p in run_dir.iterdir() if p.is_file() and not p.name.startswith(".")))
+    write_atomic(run_dir / "report.html", html)
+    written.append(run_dir / "report.html")
+    return written
+
+
+def publish(result, index: bool = True):
+    """Render a finished run's reports (incidents, report.html) and point report_dir/latest at it;
+    index=True also rebuilds report_dir/index.html (a batch does that once at its end). A broken
+    report never costs the run its history and results: the error is kept in results.json."""
+    from kvchaos.harness.report.index import point_latest, update_index
+
+    run_dir = result.run_dir
+    if run_dir is None:
+        return result
+    try:
+        write_reports(run_dir, result.results, result.events)
+        if index:
+            update_index(run_dir.parent, newest=run_dir)
+        else:
+            point_latest(run_dir.parent, run_dir.name)
+    except Exception as ex:
+        result.results["report_error"] = f"{type(ex).__name__}: {ex}"
+        (run_dir / "results.json").write_text(json.dumps(result.results, indent=1, default=str))
+    return result
