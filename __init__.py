@@ -2,6 +2,7 @@
 
 One import name: kvchaos.engine (the system under test), kvchaos.faults (the failure modes),
 kvchaos.harness (the judge and the tools around it), kvchaos.scenarios (the built-in scenarios)."""
+
 from importlib import metadata
 
 try:

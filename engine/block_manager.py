@@ -9,6 +9,7 @@ Invariants (checked by tests/test_block_manager_stateful.py after every operatio
 and, kept by BlockPool.incref/decref alone:
   I5  pool.shared == #{b : ref[b] > 1}   (none shared: decode skips the copy-on-write check)
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -60,7 +61,9 @@ class BlockManager:
     """Maps each sequence's token positions to physical slots. Sequences are keyed by id; each
     sequence holding blocks owns one table row."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.table = BlockTable(max_num_seqs, max_blocks_per_seq)
@@ -100,10 +103,16 @@ class BlockManager:
         on) without changing anything."""
         need = self.blocks_needed(seq_id, num_new_tokens)
         if need > len(self.pool.free) or (seq_id not in self.rows and not self._free_rows):
-            raise OutOfBlocks(f"sequence {seq_id}: {num_new_tokens} tokens need more blocks than are free")
+            raise OutOfBlocks(
+                f"sequence {seq_id}: {num_new_tokens} tokens need more blocks than are free"
+            )
         last = -(-(self.num_tokens.get(seq_id, 0) + num_new_tokens) // self.block_size) - 1
-        if need and last >= self.table.width and self.table.bound_check:  # refuse before changing anything
-            raise TableOverflow(f"sequence {seq_id}: block-table index {last} >= width {self.table.width}")
+        if (
+            need and last >= self.table.width and self.table.bound_check
+        ):  # refuse before changing anything
+            raise TableOverflow(
+                f"sequence {seq_id}: block-table index {last} >= width {self.table.width}"
+            )
         pool, table, bs = self.pool, self.table, self.block_size
         if seq_id not in self.rows:
             self.rows[seq_id] = self._free_rows.pop()
@@ -138,20 +147,28 @@ class BlockManager:
         table = self.table
         bs, nt, blocks, rows = self.block_size, self.num_tokens, self.blocks, self.rows
         host, w = table.host, table.width
-        cow = pool.shared > 0  # else no block is shared, so no partial last block needs copy-on-write
+        cow = (
+            pool.shared > 0
+        )  # else no block is shared, so no partial last block needs copy-on-write
         if len(free) < len(seq_ids) or (cow and table.bound_check):  # rare: check everything first
             if table.bound_check:
                 for s in seq_ids:
                     if nt[s] % bs == 0 and len(blocks[s]) >= w:
-                        raise TableOverflow(f"sequence {s}: block-table index {len(blocks[s])} >= width {w}")
+                        raise TableOverflow(
+                            f"sequence {s}: block-table index {len(blocks[s])} >= width {w}"
+                        )
             if sum(self.blocks_needed(s, 1) for s in seq_ids) > len(free):
-                raise OutOfBlocks(f"decode of {len(seq_ids)} sequences needs more blocks than are free")
+                raise OutOfBlocks(
+                    f"decode of {len(seq_ids)} sequences needs more blocks than are free"
+                )
             return [c for s in seq_ids for c in self.append(s, 1)]
         copies: list[tuple[int, int]] = []
         for k, s in enumerate(seq_ids):
             n = nt[s]
             if n % bs:
-                if cow and ref[blocks[s][-1]] != 1:  # shared partial block: copy-on-write, the slow path
+                if (
+                    cow and ref[blocks[s][-1]] != 1
+                ):  # shared partial block: copy-on-write, the slow path
                     copies += self.append(s, 1)
                     continue
             else:

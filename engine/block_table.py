@@ -3,6 +3,7 @@
 Flat on purpose: it is addressed exactly as a GPU kernel addresses it, so a write past a row's
 width lands in the next row. `bound_check` is the seam that refuses such writes.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -40,14 +41,18 @@ class BlockTable:
         self.host[base:end] = array("i", [UNUSED]) * (end - base)
 
     def row(self, row: int) -> list[int]:
-        return self.host[row * self.width:(row + 1) * self.width].tolist()
+        return self.host[row * self.width : (row + 1) * self.width].tolist()
 
     def resize(self, rows: int, width: int) -> None:
         """Grow to rows x width keeping every row's entries (the `resize` overflow policy)."""
         if rows < self.rows or width < self.width:
-            raise ValueError(f"block table can only grow: {self.rows}x{self.width} -> {rows}x{width}")
+            raise ValueError(
+                f"block table can only grow: {self.rows}x{self.width} -> {rows}x{width}"
+            )
         new = array("i", [UNUSED]) * (rows * width)
         for r in range(self.rows):
-            new[r * width:r * width + self.width] = self.host[r * self.width:(r + 1) * self.width]
+            new[r * width : r * width + self.width] = self.host[
+                r * self.width : (r + 1) * self.width
+            ]
         self.rows, self.width, self.host = rows, width, new
         self.host_tensor = torch.frombuffer(self.host, dtype=torch.int32)

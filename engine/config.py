@@ -1,9 +1,10 @@
 """Model, cache and engine configuration: plain dataclasses, validated on construction."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field, asdict
 import hashlib
 import json
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -37,13 +38,34 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "max_position"):
-            _require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")
-        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
-                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        _require(self.head_dim % 2 == 0, "model.head_dim", "must be even (rotary embeddings pair dimensions)")
-        _require(self.dtype in DTYPES, "model.dtype", f"must be one of {list(DTYPES)}, got {self.dtype!r}")
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position",
+        ):
+            _require(
+                getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}"
+            )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        _require(
+            self.head_dim % 2 == 0,
+            "model.head_dim",
+            "must be even (rotary embeddings pair dimensions)",
+        )
+        _require(
+            self.dtype in DTYPES,
+            "model.dtype",
+            f"must be one of {list(DTYPES)}, got {self.dtype!r}",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,10 +93,19 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_blocks_per_seq", "max_num_seqs"):
-            _require(getattr(self, name) > 0, f"cache.{name}", f"must be > 0, got {getattr(self, name)}")
-        _require(self.overflow_policy in OVERFLOW_POLICIES, "cache.overflow_policy",
-                 f"must be one of {list(OVERFLOW_POLICIES)}, got {self.overflow_policy!r}")
-        _require(0.0 <= self.watermark < 1.0, "cache.watermark", f"must be in [0, 1), got {self.watermark}")
+            _require(
+                getattr(self, name) > 0, f"cache.{name}", f"must be > 0, got {getattr(self, name)}"
+            )
+        _require(
+            self.overflow_policy in OVERFLOW_POLICIES,
+            "cache.overflow_policy",
+            f"must be one of {list(OVERFLOW_POLICIES)}, got {self.overflow_policy!r}",
+        )
+        _require(
+            0.0 <= self.watermark < 1.0,
+            "cache.watermark",
+            f"must be in [0, 1), got {self.watermark}",
+        )
 
     @property
     def max_tokens_per_seq(self) -> int:
@@ -102,12 +133,22 @@ class EngineConfig:
     tp_mode: str = "simulated"  # ranks in this process (kvchaos.engine.ranks), or real processes (kvchaos.engine.distributed)
 
     def __post_init__(self) -> None:
-        _require(self.attention_backend in BACKENDS, "engine.attention_backend",
-                 f"must be one of {list(BACKENDS)}, got {self.attention_backend!r}")
+        _require(
+            self.attention_backend in BACKENDS,
+            "engine.attention_backend",
+            f"must be one of {list(BACKENDS)}, got {self.attention_backend!r}",
+        )
         _require(self.max_prefill_tokens > 0, "engine.max_prefill_tokens", "must be > 0")
-        _require(self.tp_mode in TP_MODES, "engine.tp_mode", f"must be one of {list(TP_MODES)}, got {self.tp_mode!r}")
-        _require(self.tp_size > 0 and self.model.num_kv_heads % self.tp_size == 0, "engine.tp_size",
-                 f"must divide num_kv_heads ({self.model.num_kv_heads}), got {self.tp_size}")
+        _require(
+            self.tp_mode in TP_MODES,
+            "engine.tp_mode",
+            f"must be one of {list(TP_MODES)}, got {self.tp_mode!r}",
+        )
+        _require(
+            self.tp_size > 0 and self.model.num_kv_heads % self.tp_size == 0,
+            "engine.tp_size",
+            f"must divide num_kv_heads ({self.model.num_kv_heads}), got {self.tp_size}",
+        )
         try:
             torch.device(self.device)
         except RuntimeError as e:

@@ -27,6 +27,7 @@ reported), kills the other followers and raises RankFailure, which the runner re
 Followers are launched by rank 0 (`python -m kvchaos.engine.distributed`, the torchrun environment) or
 by torchrun itself, where ranks > 0 call serve(). They idle on the store between runs.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -72,7 +73,11 @@ class StaleTable(KVChaosError):
 
 def external_launch() -> bool:
     """Started by torchrun (or any launcher that sets its environment), rather than by us."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "KVCHAOS_PARENT_PID" not in os.environ
+    return (
+        "RANK" in os.environ
+        and "WORLD_SIZE" in os.environ
+        and "KVCHAOS_PARENT_PID" not in os.environ
+    )
 
 
 def _backend(device: torch.device) -> str:
@@ -82,12 +87,18 @@ def _backend(device: torch.device) -> str:
 def _rank_device(device: str, rank: int) -> torch.device:
     """One GPU per rank: a launcher's LOCAL_RANK, else the configured GPU plus the rank."""
     d = torch.device(device)
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", (d.index or 0) + rank))) if d.type == "cuda" else d
+    return (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", (d.index or 0) + rank)))
+        if d.type == "cuda"
+        else d
+    )
 
 
 def config_from_dict(d: dict) -> EngineConfig:
     d = dict(d)
-    return EngineConfig(model=ModelConfig(**d.pop("model")), cache=CacheConfig(**d.pop("cache")), **d)
+    return EngineConfig(
+        model=ModelConfig(**d.pop("model")), cache=CacheConfig(**d.pop("cache")), **d
+    )
 
 
 def step_capacity(cfg: EngineConfig, world: int) -> int:
@@ -116,8 +127,11 @@ class Wire:
 
     def broadcast_step(self, msg: list[int] | None, cap: int) -> torch.Tensor:
         """Rank 0's header and batch (msg), in one broadcast of `cap` ints if it fits."""
-        x = torch.tensor(msg + [0] * (cap - len(msg)), dtype=torch.int64, device=self.dev) if msg is not None \
+        x = (
+            torch.tensor(msg + [0] * (cap - len(msg)), dtype=torch.int64, device=self.dev)
+            if msg is not None
             else torch.empty(cap, dtype=torch.int64, device=self.dev)
+        )
         self._op("bcast", dist.broadcast, x[:cap], 0)
         n = HEAD + Batch.body_len(x[:HEAD].tolist())
         if n > cap:
@@ -133,7 +147,9 @@ class Wire:
 
     def send_table(self, dst: int, table: torch.Tensor) -> None:
         msg = table.to(self.dev)
-        self.sends.append((self._op("table", dist.isend, msg, dst), msg))  # msg stays alive until sent
+        self.sends.append(
+            (self._op("table", dist.isend, msg, dst), msg)
+        )  # msg stays alive until sent
 
     def settle(self) -> None:
         for work, _ in self.sends:
@@ -150,23 +166,36 @@ class Wire:
 class Batch:
     """One step's inputs, the same on every rank. Table entries travel as indices (entry (row, j)
     of the flat table is row * width + j), so every rank resolves them through its own copy."""
+
     op: int
     step: int
     version: int
     sync: bool
     tokens: torch.Tensor
     positions: torch.Tensor
-    bases: list[int]            # each decode row's entry 0
-    max_len: int                # longest decode context
-    min_len: int                # shortest decode context
+    bases: list[int]  # each decode row's entry 0
+    max_len: int  # longest decode context
+    min_len: int  # shortest decode context
     prefill: list[tuple[int, int, int]]  # (row's entry 0, start, n)
-    copies: list[tuple[int, int]]        # copy-on-write (src block, dst block)
-    updates: list[tuple[int, int, int]]  # table updates, in order: (rank, version, numel); numel 0: the
-                                         # rank's previous table under a new version, else sent after this
+    copies: list[tuple[int, int]]  # copy-on-write (src block, dst block)
+    updates: list[
+        tuple[int, int, int]
+    ]  # table updates, in order: (rank, version, numel); numel 0: the
+    # rank's previous table under a new version, else sent after this
 
     @staticmethod
     def pack(step, version, sync, tok, pos, bases, prefill, copies, updates) -> list[int]:
-        head = [STEP, step, version, int(sync), len(tok), len(bases), len(prefill), len(copies), len(updates)]
+        head = [
+            STEP,
+            step,
+            version,
+            int(sync),
+            len(tok),
+            len(bases),
+            len(prefill),
+            len(copies),
+            len(updates),
+        ]
         return head + tok + pos + bases + [x for t in (*prefill, *copies, *updates) for x in t]
 
     @staticmethod
@@ -176,30 +205,69 @@ class Batch:
     @staticmethod
     def unpack(msg: torch.Tensor, device: torch.device) -> "Batch":
         op, step, version, sync, nt, nd, npre, ncp, _ = msg[:HEAD].tolist()
-        t = msg[HEAD:HEAD + 2 * nt].to(device)
-        rest = msg[HEAD + 2 * nt:].tolist()
-        pre, cps, ups = rest[nd:nd + 3 * npre], rest[nd + 3 * npre:nd + 3 * npre + 2 * ncp], rest[nd + 3 * npre + 2 * ncp:]
-        dec_pos = msg[HEAD + nt:HEAD + nt + nd].tolist()
-        return Batch(op, step, version, bool(sync), t[:nt], t[nt:], rest[:nd], max(dec_pos) + 1 if nd else 0,
-                     min(dec_pos) + 1 if nd else 0,
-                     [tuple(pre[i:i + 3]) for i in range(0, len(pre), 3)],
-                     [tuple(cps[i:i + 2]) for i in range(0, len(cps), 2)],
-                     [tuple(ups[i:i + 3]) for i in range(0, len(ups), 3)])
+        t = msg[HEAD : HEAD + 2 * nt].to(device)
+        rest = msg[HEAD + 2 * nt :].tolist()
+        pre, cps, ups = (
+            rest[nd : nd + 3 * npre],
+            rest[nd + 3 * npre : nd + 3 * npre + 2 * ncp],
+            rest[nd + 3 * npre + 2 * ncp :],
+        )
+        dec_pos = msg[HEAD + nt : HEAD + nt + nd].tolist()
+        return Batch(
+            op,
+            step,
+            version,
+            bool(sync),
+            t[:nt],
+            t[nt:],
+            rest[:nd],
+            max(dec_pos) + 1 if nd else 0,
+            min(dec_pos) + 1 if nd else 0,
+            [tuple(pre[i : i + 3]) for i in range(0, len(pre), 3)],
+            [tuple(cps[i : i + 2]) for i in range(0, len(cps), 2)],
+            [tuple(ups[i : i + 3]) for i in range(0, len(ups), 3)],
+        )
 
 
 class Shard:
     """What every rank holds and does: its copy of the block table, the pool of its KV heads, its
     share of attention."""
 
-    def __init__(self, cfg: EngineConfig, rank: int, world: int, device: torch.device, table: VirtualRank,
-                 scale: float, pool: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        rank: int,
+        world: int,
+        device: torch.device,
+        table: VirtualRank,
+        scale: float,
+        pool: torch.Tensor | None = None,
+    ) -> None:
         mc, cc = cfg.model, cfg.cache
-        self.rank, self.world, self.device, self.table, self.scale = rank, world, device, table, scale
+        self.rank, self.world, self.device, self.table, self.scale = (
+            rank,
+            world,
+            device,
+            table,
+            scale,
+        )
         self.hkv = mc.num_kv_heads // world
         self.h = self.hkv * (mc.num_heads // mc.num_kv_heads)
         self.bs, self.layers = cc.block_size, mc.num_layers
-        self.pool = pool if pool is not None else torch.zeros(
-            mc.num_layers, 2, cc.num_blocks, cc.block_size, self.hkv, mc.head_dim, dtype=mc.torch_dtype, device=device)
+        self.pool = (
+            pool
+            if pool is not None
+            else torch.zeros(
+                mc.num_layers,
+                2,
+                cc.num_blocks,
+                cc.block_size,
+                self.hkv,
+                mc.head_dim,
+                dtype=mc.torch_dtype,
+                device=device,
+            )
+        )
         self.decode_attention = _decode_backend(cfg.resolved_backend())
 
     def receive(self, wire: Wire, b: Batch) -> None:
@@ -218,13 +286,17 @@ class Shard:
 
     def acknowledge(self, wire: Wire, b: Batch) -> tuple[list[int], list[int]]:
         """Every rank reports [version, crc] of the table it is about to compute with."""
-        mine = torch.tensor([self.table.version, self.table.crc()], dtype=torch.int64, device=wire.dev)
+        mine = torch.tensor(
+            [self.table.version, self.table.crc()], dtype=torch.int64, device=wire.dev
+        )
         got = torch.stack(wire.gather(mine, "ack")).tolist()
         versions, crcs = [g[0] for g in got], [g[1] for g in got]
         stale = [r for r, v in enumerate(versions) if v != b.version]
         if b.sync and stale:
-            raise StaleTable(f"step {b.step}: ranks {stale} hold table versions {[versions[r] for r in stale]}, "
-                             f"the step's is {b.version}: refusing to compute on a stale table")
+            raise StaleTable(
+                f"step {b.step}: ranks {stale} hold table versions {[versions[r] for r in stale]}, "
+                f"the step's is {b.version}: refusing to compute on a stale table"
+            )
         return versions, crcs
 
     def resolve(self, b: Batch):
@@ -238,19 +310,26 @@ class Shard:
             nblk = -(-b.max_len // bs)
             base = torch.tensor(b.bases, device=dev)
             p = b.positions[:nd]
-            idx, ent = (base[:, None] + torch.arange(nblk, device=dev)[None, :]).view(-1), base + p // bs
+            idx, ent = (
+                (base[:, None] + torch.arange(nblk, device=dev)[None, :]).view(-1),
+                base + p // bs,
+            )
             if max(b.bases) + nblk - 1 > last:
                 idx, ent = idx.clamp(max=last), ent.clamp(max=last)
             tables = flat.index_select(0, idx).view(nd, nblk)
             slots.append(flat.index_select(0, ent).long() * bs + p % bs)
             lens = (p + 1).to(torch.int32)
-            plan = plan_decode(tables, lens, bs, b.max_len, b.min_len) if self.decode_attention is paged_decode_torch else None
+            plan = (
+                plan_decode(tables, lens, bs, b.max_len, b.min_len)
+                if self.decode_attention is paged_decode_torch
+                else None
+            )
             dec = (tables, lens, plan)
         off = nd
         for base, start, n in b.prefill:
             nblk = -(-(start + n) // bs)
             trow = flat[(base + torch.arange(nblk, device=dev)).clamp_(max=last)]
-            p = b.positions[off:off + n]
+            p = b.positions[off : off + n]
             slots.append(trow[p // bs].long() * bs + p % bs)
             chunks.append((off, n, start, trow))
             off += n
@@ -258,15 +337,30 @@ class Shard:
 
     def attend(self, wire: Wire, b: Batch, meta):
         slots, dec, chunks = meta
-        r, h, hkv, nd, pool, scale = self.rank, self.h, self.hkv, len(b.bases), self.pool, self.scale
+        r, h, hkv, nd, pool, scale = (
+            self.rank,
+            self.h,
+            self.hkv,
+            len(b.bases),
+            self.pool,
+            self.scale,
+        )
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = pool[layer, 0], pool[layer, 1]
-            qr = q[:, r * h:(r + 1) * h]
-            write_kv(kc, vc, slots, k[:, r * hkv:(r + 1) * hkv], v[:, r * hkv:(r + 1) * hkv])
-            parts = [self.decode_attention(qr[:nd], kc, vc, dec[0], dec[1], scale, b.max_len, plan=dec[2])] if nd else []
+            qr = q[:, r * h : (r + 1) * h]
+            write_kv(kc, vc, slots, k[:, r * hkv : (r + 1) * hkv], v[:, r * hkv : (r + 1) * hkv])
+            parts = (
+                [
+                    self.decode_attention(
+                        qr[:nd], kc, vc, dec[0], dec[1], scale, b.max_len, plan=dec[2]
+                    )
+                ]
+                if nd
+                else []
+            )
             for off, n, start, trow in chunks:
-                parts.append(paged_prefill_torch(qr[off:off + n], kc, vc, trow, start, scale))
+                parts.append(paged_prefill_torch(qr[off : off + n], kc, vc, trow, start, scale))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
             if self.world > 1:
                 out = torch.cat(wire.gather(out.contiguous(), "gather"), dim=1)
@@ -297,14 +391,21 @@ class DistEngine(Engine):
     """Rank 0 of a real tensor-parallel group. `cluster`: a Cluster to run on (reused across runs);
     None launches one for this engine, shut down by close()."""
 
-    def __init__(self, config: EngineConfig, block_manager=None, cluster: "Cluster | None" = None) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager=None, cluster: "Cluster | None" = None
+    ) -> None:
         super().__init__(config, block_manager)
         world = config.tp_size
         self._outbox: list = []
         for r in range(1, world):
             self.ranks.ranks[r] = Link(r, self.device, self._outbox)
-        self.kv_pools, self._kv_views = self.kv_pools[:1], self._kv_views[:1]  # this rank's heads only
-        self.shard = Shard(config, 0, world, self.device, self.ranks.ranks[0], self.model.scale, self.kv_pools[0])
+        self.kv_pools, self._kv_views = (
+            self.kv_pools[:1],
+            self._kv_views[:1],
+        )  # this rank's heads only
+        self.shard = Shard(
+            config, 0, world, self.device, self.ranks.ranks[0], self.model.scale, self.kv_pools[0]
+        )
         self._own = cluster is None
         self.cluster = cluster if cluster is not None else Cluster()
         self.wire: Wire | None = None
@@ -325,12 +426,18 @@ class DistEngine(Engine):
             if not w.busy:  # failed before the step's broadcast: the ranks are still in step
                 raise
             self._fail(e)
-        w.t["compute"] += out.stats.latency_s - out.stats.host_s - (w.t["gather"] - g0)  # model, logits
+        w.t["compute"] += (
+            out.stats.latency_s - out.stats.host_s - (w.t["gather"] - g0)
+        )  # model, logits
         return out
 
     def _fail(self, e: BaseException):
         """The ranks are out of step with us: name the rank at fault if one is, kill the followers."""
-        failure = None if isinstance(e, StaleTable) else self.cluster.diagnose(self.wire.ops, self.step_count)
+        failure = (
+            None
+            if isinstance(e, StaleTable)
+            else self.cluster.diagnose(self.wire.ops, self.step_count)
+        )
         self.cluster.abort()
         self.wire = None
         if failure is None:
@@ -345,10 +452,17 @@ class DistEngine(Engine):
         width = self.bm.table.width
         rows, tok, pos = self._batch_inputs(decode, prefill)
         copies, self._copies = self._copies, []
-        msg = Batch.pack(self.step_count, self.table_version, self.seams.rank_sync, tok, pos,
-                         [rows[s.id] * width for s in decode],
-                         [(rows[s.id] * width, s.num_computed, n) for s, n in prefill], copies,
-                         [(r, v, 0 if table is None else table.numel()) for r, v, table in self._outbox])
+        msg = Batch.pack(
+            self.step_count,
+            self.table_version,
+            self.seams.rank_sync,
+            tok,
+            pos,
+            [rows[s.id] * width for s in decode],
+            [(rows[s.id] * width, s.num_computed, n) for s, n in prefill],
+            copies,
+            [(r, v, 0 if table is None else table.numel()) for r, v, table in self._outbox],
+        )
         w = self.wire
         w.busy = True
         b = self._batch = Batch.unpack(w.broadcast_step(msg, self._cap), self.device)
@@ -361,7 +475,9 @@ class DistEngine(Engine):
         links = self.ranks.ranks
         sent = [r.version for r in links]
         if versions != sent:  # the wire lost or reordered an update: nothing below could be trusted
-            raise RuntimeError(f"step {b.step}: ranks acknowledged table versions {versions}, were sent {sent}")
+            raise RuntimeError(
+                f"step {b.step}: ranks acknowledged table versions {versions}, were sent {sent}"
+            )
         if len(links) > 1:
             self._crcs = crcs
         return b.tokens, b.positions, self.shard.resolve(b)
@@ -413,27 +529,50 @@ class Cluster:
 
     def _start(self, world: int, dev: torch.device) -> None:
         if dist.is_initialized():
-            raise RuntimeError("a torch.distributed process group is already up in this process: "
-                               "one kvchaos Cluster at a time")
+            raise RuntimeError(
+                "a torch.distributed process group is already up in this process: "
+                "one kvchaos Cluster at a time"
+            )
         backend = _backend(dev)
         timeout = dt.timedelta(seconds=self.timeout_s)
         if external_launch():
             if int(os.environ["RANK"]) != 0 or int(os.environ["WORLD_SIZE"]) != world:
-                raise ValueError(f"the launcher started rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}; "
-                                 f"this run needs rank 0 of {world} (--world-size)")
-            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                 timeout=dt.timedelta(seconds=STARTUP_S))
+                raise ValueError(
+                    f"the launcher started rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}; "
+                    f"this run needs rank 0 of {world} (--world-size)"
+                )
+            base = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=dt.timedelta(seconds=STARTUP_S),
+            )
         else:
             if backend == "nccl" and dev.index + world > torch.cuda.device_count():
-                raise ConfigError(f"{world} NCCL ranks need one GPU each from cuda:{dev.index}; "
-                                  f"this machine has {torch.cuda.device_count()} (use --tp-mode simulated)")
-            base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                 timeout=dt.timedelta(seconds=STARTUP_S))
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(base.port), "WORLD_SIZE": str(world),
-                   "KVCHAOS_PARENT_PID": str(os.getpid()), "KVCHAOS_RANK_TIMEOUT": str(self.timeout_s)}
+                raise ConfigError(
+                    f"{world} NCCL ranks need one GPU each from cuda:{dev.index}; "
+                    f"this machine has {torch.cuda.device_count()} (use --tp-mode simulated)"
+                )
+            base = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=dt.timedelta(seconds=STARTUP_S),
+            )
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(base.port),
+                "WORLD_SIZE": str(world),
+                "KVCHAOS_PARENT_PID": str(os.getpid()),
+                "KVCHAOS_RANK_TIMEOUT": str(self.timeout_s),
+            }
             for r in range(1, world):
-                self.procs[r] = subprocess.Popen([sys.executable, "-m", "kvchaos.engine.distributed"],
-                                                 env={**env, "RANK": str(r), "LOCAL_RANK": str((dev.index or 0) + r)})
+                self.procs[r] = subprocess.Popen(
+                    [sys.executable, "-m", "kvchaos.engine.distributed"],
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str((dev.index or 0) + r)},
+                )
         atexit.register(self.close)
         self._base, self.store = base, dist.PrefixStore("kvchaos", base)
         self.key, self.runs = (world, backend, dev.index), 0
@@ -443,13 +582,21 @@ class Cluster:
             while world > 1 and not self.store.check([f"ready/{r}" for r in range(1, world)]):
                 dead = self._exited()
                 if dead or time.monotonic() > deadline:
-                    raise RankFailure(f"{'; '.join(f'rank {r} {w}' for r, w in dead.items()) or 'ranks did not start'}"
-                                      f" before joining the group", sorted(dead))
+                    raise RankFailure(
+                        f"{'; '.join(f'rank {r} {w}' for r, w in dead.items()) or 'ranks did not start'}"
+                        f" before joining the group",
+                        sorted(dead),
+                    )
                 time.sleep(0.02)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            dist.init_process_group(backend, store=dist.PrefixStore("pg", base), rank=0, world_size=world,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg", base),
+                rank=0,
+                world_size=world,
+                timeout=timeout,
+            )
         except BaseException:
             self.abort()
             raise
@@ -468,7 +615,9 @@ class Cluster:
         alive whose progress is behind ours (hung), else those that posted an error. A rank that
         errored because a peer went away is listed after the cause. None if every rank looks
         healthy: the fault is rank 0's own."""
-        deadline = time.monotonic() + 2.0  # a dead peer's closed connection is seen before its exit status
+        deadline = (
+            time.monotonic() + 2.0
+        )  # a dead peer's closed connection is seen before its exit status
         while self.procs and not self._exited() and time.monotonic() < deadline:
             time.sleep(0.02)
         exited, errors, seen = self._exited(), {}, {}
@@ -481,9 +630,15 @@ class Cluster:
             except Exception:
                 pass
         cause = {r: w for r, w in exited.items() if r not in errors}
-        if not cause:  # progress is posted a beat late: only judged once the group's timeout has passed
-            cause = {r: f"hung: no answer within {self.timeout_s:g} s (it reached collective {n}, rank 0 "
-                        f"collective {ops})" for r, n in seen.items() if r not in exited and n < ops}
+        if (
+            not cause
+        ):  # progress is posted a beat late: only judged once the group's timeout has passed
+            cause = {
+                r: f"hung: no answer within {self.timeout_s:g} s (it reached collective {n}, rank 0 "
+                f"collective {ops})"
+                for r, n in seen.items()
+                if r not in exited and n < ops
+            }
         then = {r: f"{exited.get(r, 'failed')}: {e}" for r, e in errors.items()}
         if not cause:
             cause, then = then, {}
@@ -534,7 +689,9 @@ class Cluster:
 
 
 # -- a follower rank -----------------------------------------------------------------------------
-def _watch(parent: int | None, store_args: tuple, rank: int, wire_of, stop: threading.Event) -> None:
+def _watch(
+    parent: int | None, store_args: tuple, rank: int, wire_of, stop: threading.Event
+) -> None:
     """Post this rank's progress for rank 0's diagnosis; exit if the parent is gone (no orphans)."""
     store = dist.PrefixStore("kvchaos", dist.TCPStore(*store_args, is_master=False))
     last = -1
@@ -570,24 +727,38 @@ def serve() -> int:
     parent = int(os.environ["KVCHAOS_PARENT_PID"]) if "KVCHAOS_PARENT_PID" in os.environ else None
     if parent is not None and os.getppid() != parent:
         return 1
-    torch.set_num_threads(int(os.environ.get("KVCHAOS_CPU_THREADS", "1")))  # two spinning threads per rank thrash
+    torch.set_num_threads(
+        int(os.environ.get("KVCHAOS_CPU_THREADS", "1"))
+    )  # two spinning threads per rank thrash
     timeout = float(os.environ.get("KVCHAOS_RANK_TIMEOUT", DEFAULT_TIMEOUT_S))
     store_args = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    base = dist.TCPStore(*store_args, is_master=False, timeout=dt.timedelta(days=7))  # idle between runs
+    base = dist.TCPStore(
+        *store_args, is_master=False, timeout=dt.timedelta(days=7)
+    )  # idle between runs
     store = dist.PrefixStore("kvchaos", base)
     holder: dict = {}
     stop = threading.Event()
-    threading.Thread(target=_watch, args=(parent, store_args, rank, lambda: holder.get("wire"), stop),
-                     daemon=True).start()
+    threading.Thread(
+        target=_watch,
+        args=(parent, store_args, rank, lambda: holder.get("wire"), stop),
+        daemon=True,
+    ).start()
     try:
         store.wait(["group"])
         backend = store.get("group").decode()
         if backend == "nccl":
             torch.cuda.set_device(_rank_device("cuda", rank))
         store.set(f"ready/{rank}", "1")
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", base), rank=rank, world_size=world,
-                                timeout=dt.timedelta(seconds=timeout))
-        wire = holder["wire"] = Wire(_rank_device("cuda", rank) if backend == "nccl" else torch.device("cpu"), world)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", base),
+            rank=rank,
+            world_size=world,
+            timeout=dt.timedelta(seconds=timeout),
+        )
+        wire = holder["wire"] = Wire(
+            _rank_device("cuda", rank) if backend == "nccl" else torch.device("cpu"), world
+        )
         n = 0
         while True:
             n += 1

@@ -5,16 +5,24 @@ preempting by recompute when blocks run out) -> reserve slots -> upload the bloc
 the staging buffer to every rank -> one model pass -> one token per sequence whose tokens are all
 computed.
 """
+
 from __future__ import annotations
 
-from collections import deque
 import os
 import time
 import zlib
+from collections import deque
 
 import torch
 
-from kvchaos.engine.attention import DecodePlan, decode_blocks, decode_mask, paged_decode_torch, paged_prefill_torch, write_kv
+from kvchaos.engine.attention import (
+    DecodePlan,
+    decode_blocks,
+    decode_mask,
+    paged_decode_torch,
+    paged_prefill_torch,
+    write_kv,
+)
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, RequestRejected
@@ -29,30 +37,51 @@ from kvchaos.engine.staging import StagingBuffer
 def _decode_backend(name: str):
     if name == "triton":
         from kvchaos.engine.triton_decode import paged_decode_triton
+
         return paged_decode_triton
     return paged_decode_torch
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, block_manager: BlockManagerProtocol | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManagerProtocol | None = None
+    ) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(config.device)
         self.model = Model(mc, config.seed, self.device)
-        self.bm = block_manager if block_manager is not None else BlockManager(
-            cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
+        self.bm = (
+            block_manager
+            if block_manager is not None
+            else BlockManager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
+        )
         if not isinstance(self.bm, BlockManagerProtocol):
-            raise TypeError(f"{type(self.bm).__name__} does not implement kvchaos.engine.protocols.BlockManagerProtocol")
+            raise TypeError(
+                f"{type(self.bm).__name__} does not implement kvchaos.engine.protocols.BlockManagerProtocol"
+            )
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = _decode_backend(config.resolved_backend())
         tp = config.tp_size
         self.kv_heads_per_rank = mc.num_kv_heads // tp
         # One pool per rank: [layers, K/V, blocks, block_size, kv_heads / tp, head_dim]
-        self.kv_pools = [torch.zeros(mc.num_layers, 2, self.bm.num_blocks, self.bm.block_size,
-                                     self.kv_heads_per_rank, mc.head_dim, dtype=mc.torch_dtype, device=self.device)
-                         for _ in range(tp)]
-        self._kv_views = [[(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)] for pool in self.kv_pools]
+        self.kv_pools = [
+            torch.zeros(
+                mc.num_layers,
+                2,
+                self.bm.num_blocks,
+                self.bm.block_size,
+                self.kv_heads_per_rank,
+                mc.head_dim,
+                dtype=mc.torch_dtype,
+                device=self.device,
+            )
+            for _ in range(tp)
+        ]
+        self._kv_views = [
+            [(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)]
+            for pool in self.kv_pools
+        ]
         self.ranks = RankGroup(tp, self.device)
         self._pinned = self.device.type == "cuda"
         self.staging = StagingBuffer(self.bm.table.host_tensor.numel(), self._pinned)
@@ -61,8 +90,13 @@ class Engine:
         self.running: list[Sequence] = []
         self.step_count = 0
         self.table_version = 0
-        self.counters = {"staging_reallocs": 0, "preemptions": 0, "cow_copies": 0, "stale_rank_computes": 0,
-                         "rank_sync_waits": 0}
+        self.counters = {
+            "staging_reallocs": 0,
+            "preemptions": 0,
+            "cow_copies": 0,
+            "stale_rank_computes": 0,
+            "rank_sync_waits": 0,
+        }
 
     # -- requests ------------------------------------------------------------------------
     def _validate(self, request_id: str, tokens: list[int], max_new_tokens: int) -> None:
@@ -73,25 +107,41 @@ class Engine:
         if not tokens:
             raise InvalidRequest(f"request {request_id!r}: empty prompt")
         vocab = self.config.model.vocab_size
-        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
-            raise InvalidRequest(f"request {request_id!r}: token {bad[0]!r} outside the vocabulary [0, {vocab})")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise InvalidRequest(f"request {request_id!r}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+            raise InvalidRequest(
+                f"request {request_id!r}: token {bad[0]!r} outside the vocabulary [0, {vocab})"
+            )
+        if (
+            not isinstance(max_new_tokens, int)
+            or isinstance(max_new_tokens, bool)
+            or max_new_tokens <= 0
+        ):
+            raise InvalidRequest(
+                f"request {request_id!r}: max_new_tokens must be a positive int, got {max_new_tokens!r}"
+            )
         total = len(tokens) + max_new_tokens
         if total > self.config.model.max_position:
-            raise RequestRejected(f"request {request_id!r}: {total} tokens exceed the model's "
-                                  f"{self.config.model.max_position} positions")
+            raise RequestRejected(
+                f"request {request_id!r}: {total} tokens exceed the model's "
+                f"{self.config.model.max_position} positions"
+            )
         bs, table = self.bm.block_size, self.bm.table
         blocks = -(-total // bs)
         if blocks > self.bm.num_blocks:
-            raise RequestRejected(f"request {request_id!r}: needs {blocks} blocks, the pool has {self.bm.num_blocks}")
+            raise RequestRejected(
+                f"request {request_id!r}: needs {blocks} blocks, the pool has {self.bm.num_blocks}"
+            )
         if blocks > table.width and self.seams.admission_check:
             if self.config.cache.overflow_policy == "resize":
                 self.bm.resize_table(width=blocks)
             else:
-                raise RequestRejected(f"request {request_id!r}: {total} tokens need {blocks} blocks, a table row "
-                                      f"holds {table.width} (max {table.width * bs} tokens per sequence)")
+                raise RequestRejected(
+                    f"request {request_id!r}: {total} tokens need {blocks} blocks, a table row "
+                    f"holds {table.width} (max {table.width * bs} tokens per sequence)"
+                )
 
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int) -> None:
         """Queue a request. Raises InvalidRequest (malformed) or RequestRejected (429: can never fit);
@@ -99,14 +149,18 @@ class Engine:
         try:
             prompt = list(prompt)
         except TypeError:
-            raise InvalidRequest(f"request {request_id!r}: prompt must be a list of token ids, got "
-                                 f"{type(prompt).__name__}") from None
+            raise InvalidRequest(
+                f"request {request_id!r}: prompt must be a list of token ids, got "
+                f"{type(prompt).__name__}"
+            ) from None
         self._validate(request_id, prompt, max_new_tokens)
         seq = Sequence(request_id, prompt, len(prompt), max_new_tokens, self.step_count)
         self.seqs[request_id] = seq
         self.waiting.append(seq)
 
-    def fork(self, parent_id: str, child_id: str, max_new_tokens: int, extra_tokens: list[int] = ()) -> None:
+    def fork(
+        self, parent_id: str, child_id: str, max_new_tokens: int, extra_tokens: list[int] = ()
+    ) -> None:
         """A new request continuing parent's tokens (plus extra_tokens). If the parent holds blocks,
         the child shares them (prefix sharing); copy-on-write keeps the two apart."""
         parent = self.seqs.get(parent_id)
@@ -114,7 +168,9 @@ class Engine:
             raise InvalidRequest(f"fork: parent {parent_id!r} is not a live request")
         tokens = parent.tokens + list(extra_tokens)
         self._validate(child_id, tokens, max_new_tokens)
-        child = Sequence(child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id)
+        child = Sequence(
+            child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id
+        )
         if parent.state is State.RUNNING and self.bm.num_free_rows > 0:
             self.bm.fork(parent_id, child_id)
             child.state, child.num_computed = State.RUNNING, parent.num_computed
@@ -209,8 +265,11 @@ class Engine:
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
-            copies = self.bm.append_decode([s.id for s in decode]) if hasattr(self.bm, "append_decode") \
+            copies = (
+                self.bm.append_decode([s.id for s in decode])
+                if hasattr(self.bm, "append_decode")
                 else [c for s in decode for c in self.bm.append(s.id, 1)]
+            )
             for s, n in prefill:
                 copies += self.bm.append(s.id, n)
             if copies:
@@ -229,7 +288,9 @@ class Engine:
                     emit.append((s, off - 1))
             rows = [i for _, i in emit]
             if rows:  # decode rows come first: a pure decode step takes a view
-                logits = self.model.logits(hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows])
+                logits = self.model.logits(
+                    hidden[: len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]
+                )
         except BaseException:
             # Leave nothing half-done: the step's sequences give their blocks back and recompute.
             for s in scheduled:
@@ -255,17 +316,30 @@ class Engine:
         stats = self._stats(t0, c0, t_prep, t_host, decode, prefill, preempted, stale)
         return StepOutput(stats, out_tokens, out_logits, finished)
 
-    def _stats(self, t0, c0, t_prep, t_host, decode, prefill, preempted, stale, computed=True) -> StepStats:
+    def _stats(
+        self, t0, c0, t_prep, t_host, decode, prefill, preempted, stale, computed=True
+    ) -> StepStats:
         crcs, table_crc = (self._crcs, self._table_crc) if computed else ([], 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        return StepStats(step=self.step_count, latency_s=now - t0, host_s=t_host - t0, cpu_s=time.thread_time() - c0,
-                         prep_s=t_host - t_prep,
-                         free_blocks=self.bm.num_free_blocks, num_running=len(self.running),
-                         num_waiting=len(self.waiting), prefill_tokens=sum(n for _, n in prefill),
-                         decode_tokens=len(decode), preempted=preempted, table_version=self.table_version,
-                         stale_ranks=stale, rank_table_crcs=crcs, table_crc=table_crc)
+        return StepStats(
+            step=self.step_count,
+            latency_s=now - t0,
+            host_s=t_host - t0,
+            cpu_s=time.thread_time() - c0,
+            prep_s=t_host - t_prep,
+            free_blocks=self.bm.num_free_blocks,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            prefill_tokens=sum(n for _, n in prefill),
+            decode_tokens=len(decode),
+            preempted=preempted,
+            table_version=self.table_version,
+            stale_ranks=stale,
+            rank_table_crcs=crcs,
+            table_crc=table_crc,
+        )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)
@@ -308,7 +382,7 @@ class Engine:
             tok.append(s.tokens[-1])
             pos.append(s.num_computed)
         for s, n in prefill:
-            tok += s.tokens[s.num_computed:s.num_computed + n]
+            tok += s.tokens[s.num_computed : s.num_computed + n]
             pos += range(s.num_computed, s.num_computed + n)
         return rows, tok, pos
 
@@ -325,19 +399,25 @@ class Engine:
         # block, off the token's offset in that block.
         bases = [rows[s.id] * width for s in decode]
         ent = [b + p // bs for b, p in zip(bases, dec_pos)]
-        meta = torch.tensor(tok + pos + [p + 1 for p in dec_pos] + bases + ent + [p % bs for p in dec_pos],
-                            device=dev)
-        tokens, positions = meta[:nt], meta[nt:2 * nt]
+        meta = torch.tensor(
+            tok + pos + [p + 1 for p in dec_pos] + bases + ent + [p % bs for p in dec_pos],
+            device=dev,
+        )
+        tokens, positions = meta[:nt], meta[nt : 2 * nt]
         max_len = max(dec_pos) + 1 if nd else 0
         if nd:
-            dec_lens, dec_base, dec_ent, dec_off = meta[2 * nt:].view(4, nd).unbind()
+            dec_lens, dec_base, dec_ent, dec_off = meta[2 * nt :].view(4, nd).unbind()
             torch_path = self.decode_attention is paged_decode_torch
-            if torch_path:  # the mask every rank and layer shares (None when all rows are max_len long)
+            if (
+                torch_path
+            ):  # the mask every rank and layer shares (None when all rows are max_len long)
                 mask = decode_mask(dec_lens, max_len, min(dec_pos) + 1)
             else:  # the kernel's dtype, converted once per step rather than per layer
                 dec_lens = dec_lens.to(torch.int32)
             nblk_dec = -(-max_len // bs)
-            dec_idx = torch.add(dec_base.unsqueeze(1), self._arange(nblk_dec)).view(-1)  # [nd * nblk_dec] entries
+            dec_idx = torch.add(dec_base.unsqueeze(1), self._arange(nblk_dec)).view(
+                -1
+            )  # [nd * nblk_dec] entries
             hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
         metas = []
         for rank in self.ranks.ranks:
@@ -345,9 +425,15 @@ class Engine:
             last = flat.numel() - 1
             slots, dec_tables, plan, chunks = [], None, None, []
             if nd:  # flat addressing: an overlong row reads on into the next one, as a kernel would
-                di, de = (dec_idx, dec_ent) if hi <= last else (dec_idx.clamp(max=last), dec_ent.clamp(max=last))
+                di, de = (
+                    (dec_idx, dec_ent)
+                    if hi <= last
+                    else (dec_idx.clamp(max=last), dec_ent.clamp(max=last))
+                )
                 dec_tables = flat.index_select(0, di).view(nd, nblk_dec)
-                slots.append(torch.add(dec_off, flat.index_select(0, de), alpha=bs))  # block * bs + offset, int64
+                slots.append(
+                    torch.add(dec_off, flat.index_select(0, de), alpha=bs)
+                )  # block * bs + offset, int64
                 if torch_path:
                     plan = DecodePlan(decode_blocks(dec_tables, bs, max_len), max_len, mask)
             off = nd
@@ -355,11 +441,13 @@ class Engine:
                 start = s.num_computed
                 nblk = -(-(start + n) // bs)
                 trow = flat[(rows[s.id] * width + torch.arange(nblk, device=dev)).clamp_(max=last)]
-                p = positions[off:off + n]
+                p = positions[off : off + n]
                 slots.append(trow[p // bs].long() * bs + p % bs)
                 chunks.append((off, n, start, trow))
                 off += n
-            metas.append((torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks))
+            metas.append(
+                (torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks)
+            )
         self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
 
@@ -382,15 +470,32 @@ class Engine:
             outs = []
             for r, (slots, dec_tables, plan, chunks) in enumerate(metas):
                 kc, vc = kv_views[r][layer]
-                qr, kr, vr = (q, k, v) if tp == 1 else \
-                    (q[:, r * h_r:(r + 1) * h_r], k[:, r * hkv_r:(r + 1) * hkv_r], v[:, r * hkv_r:(r + 1) * hkv_r])
+                qr, kr, vr = (
+                    (q, k, v)
+                    if tp == 1
+                    else (
+                        q[:, r * h_r : (r + 1) * h_r],
+                        k[:, r * hkv_r : (r + 1) * hkv_r],
+                        v[:, r * hkv_r : (r + 1) * hkv_r],
+                    )
+                )
                 write_kv(kc, vc, slots, kr, vr)
                 parts = []
                 if nd:
-                    parts.append(decode_attention(qr[:nd] if chunks else qr, kc, vc, dec_tables, dec_lens, scale,
-                                                  max_len, plan=plan))
+                    parts.append(
+                        decode_attention(
+                            qr[:nd] if chunks else qr,
+                            kc,
+                            vc,
+                            dec_tables,
+                            dec_lens,
+                            scale,
+                            max_len,
+                            plan=plan,
+                        )
+                    )
                 for off, n, start, trow in chunks:
-                    parts.append(paged_prefill_torch(qr[off:off + n], kc, vc, trow, start, scale))
+                    parts.append(paged_prefill_torch(qr[off : off + n], kc, vc, trow, start, scale))
                 outs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

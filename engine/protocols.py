@@ -16,6 +16,7 @@ Contract, in words:
   `overflow_writes`. Row r of the table maps sequence `seq_rows[seq]`'s block list.
 - `snapshot()` is read-only and returns a Snapshot.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

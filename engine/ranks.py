@@ -2,10 +2,11 @@
 of the block table and computes its share of the KV heads. Table updates are published to every
 rank; a rank's update may arrive late (the `rank_delay` seam). The remediation is `sync`: before
 computing, every rank applies the updates it is owed (it acknowledges the current version)."""
+
 from __future__ import annotations
 
-from collections import deque
 import zlib
+from collections import deque
 
 import torch
 

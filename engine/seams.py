@@ -3,6 +3,7 @@ Defaults are the remediated engine. The engine reads them; it never imports a fa
 
 Besides these, the block manager's table has `bound_check` (refuse writes past a row's width).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """A request as the engine tracks it: plain data."""
+
 from __future__ import annotations
 
 import enum
@@ -6,8 +7,8 @@ from dataclasses import dataclass, field
 
 
 class State(enum.Enum):
-    WAITING = "waiting"      # never scheduled yet, or waiting for room
-    RUNNING = "running"      # holds blocks: prefilling (more than one token to compute) or decoding
+    WAITING = "waiting"  # never scheduled yet, or waiting for room
+    RUNNING = "running"  # holds blocks: prefilling (more than one token to compute) or decoding
     PREEMPTED = "preempted"  # blocks taken back; recomputes from scratch when readmitted
     FINISHED = "finished"
     CANCELLED = "cancelled"
@@ -49,7 +50,7 @@ class StepStats:
     step: int
     latency_s: float
     host_s: float  # scheduling, block bookkeeping, table upload, metadata: everything but the model
-    cpu_s: float   # CPU time of the engine's thread in the step (immune to other processes' load)
+    cpu_s: float  # CPU time of the engine's thread in the step (immune to other processes' load)
     free_blocks: int
     num_running: int
     num_waiting: int
@@ -60,13 +61,15 @@ class StepStats:
     stale_ranks: list[int] = field(default_factory=list)  # ranks that computed on an old table
     rank_table_crcs: list[int] = field(default_factory=list)  # per rank, when tp_size > 1
     table_crc: int = 0
-    prep_s: float = 0.0  # the part of host_s that builds the model's inputs (tokens, positions, slots,
-                         # tables); host_s - prep_s is the bookkeeping: scheduling, blocks, table upload
+    prep_s: float = (
+        0.0  # the part of host_s that builds the model's inputs (tokens, positions, slots,
+    )
+    # tables); host_s - prep_s is the bookkeeping: scheduling, blocks, table upload
 
 
 @dataclass
 class StepOutput:
     stats: StepStats
-    tokens: dict[str, int]        # request id -> token produced this step
-    logits: dict[str, "object"]   # request id -> float32 logits [vocab] (CPU tensor)
+    tokens: dict[str, int]  # request id -> token produced this step
+    logits: dict[str, "object"]  # request id -> float32 logits [vocab] (CPU tensor)
     finished: list[str]

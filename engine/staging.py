@@ -4,6 +4,7 @@ On CUDA it is pinned memory and the device copy is asynchronous. A staging buffe
 the process that allocated it: after a fork its pinned pages are not the child's, so the engine
 checks `pid` before every upload and re-allocates (the remediation for the staging stall).
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ the block table inside the kernel, so any block_size works: one tile may span se
 of one), and keeps an online softmax in float32. With one split it writes the output directly;
 otherwise it writes a partial output and log-sum-exp per split, and kernel 2 combines them.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,16 +22,41 @@ _LOG2E = 1.4426950408889634
 # them (== 1, % 16 == 0) would compile a new variant of the kernel mid-run each time they cross one.
 @triton.jit(do_not_specialize=["max_len", "s_tb"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    scale_log2, max_len,
-    s_qb, s_qh, s_qd,
-    s_kb, s_kt, s_kh, s_kd,
-    s_vb, s_vt, s_vh, s_vd,
-    s_tb, s_tw,
-    s_ob, s_oh, s_od,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    scale_log2,
+    max_len,
+    s_qb,
+    s_qh,
+    s_qd,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_tb,
+    s_tw,
+    s_ob,
+    s_oh,
+    s_od,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -50,8 +76,11 @@ def _decode_split_kernel(
     c_start = split * per_split
     c_end = tl.minimum(c_start + per_split, num_chunks)
 
-    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -68,15 +97,31 @@ def _decode_split_kernel(
         blk = tl.maximum(blk, 0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * s_kb + slot[:, None] * s_kt + kvh * s_kh
-                    + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vt + kvh * s_vh
-                    + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_ptr
+            + blk[:, None] * s_kb
+            + slot[:, None] * s_kt
+            + kvh * s_kh
+            + offs_d[None, :] * s_kd,
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + blk[:, None] * s_vb
+            + slot[:, None] * s_vt
+            + kvh * s_vh
+            + offs_d[None, :] * s_vd,
+            mask=kv_mask,
+            other=0.0,
+        )
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK_N], log2 units
+        s = (
+            tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        )  # [G_PAD, BLOCK_N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds >= 1 valid token
         alpha = tl.exp2(m_i - m_new)
@@ -88,8 +133,11 @@ def _decode_split_kernel(
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
     else:
         # Scratch is contiguous [B, H, NUM_SPLITS, D_PAD] / [B, H, NUM_SPLITS]; lse in log2 units.
         row = (b * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + split
@@ -99,9 +147,19 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_od, H,
-                    D: tl.constexpr, D_PAD: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+def _combine_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    s_ob,
+    s_oh,
+    s_od,
+    H,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -110,11 +168,17 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_od, H,
     row = (b * H + h) * NUM_SPLITS
     lse = tl.load(lse_ptr + row + offs_s, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
-    part = tl.load(part_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                   mask=s_mask[:, None], other=0.0)
+    part = tl.load(
+        part_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
     o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d * s_od, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < D)
+    tl.store(
+        out_ptr + b * s_ob + h * s_oh + offs_d * s_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=offs_d < D,
+    )
 
 
 def _interpreting() -> bool:
@@ -130,9 +194,18 @@ def _auto_splits(q: torch.Tensor, work_items: int, num_chunks: int) -> int:
     return max(1, min(2, num_chunks))
 
 
-def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        max_seq_len: int | None = None, *, plan=None, num_splits: int | None = None) -> torch.Tensor:
+def paged_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    *,
+    plan=None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Same contract as paged_decode_torch: q [B, H, D]; caches [num_blocks, block_size, H_kv, D];
     block_tables int32 [B, W] (any row stride); seq_lens int [B] (>= 1, includes the current
     token). Attends to min(seq_len, max_seq_len) tokens. Returns [B, H, D] in q's dtype. plan is
@@ -140,7 +213,9 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     b, h, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache shape {tuple(k_cache.shape)}/{tuple(v_cache.shape)} vs head_dim {d}")
+        raise ValueError(
+            f"cache shape {tuple(k_cache.shape)}/{tuple(v_cache.shape)} vs head_dim {d}"
+        )
     if h % hkv:
         raise ValueError(f"num_heads {h} not a multiple of num_kv_heads {hkv}")
     if block_size & (block_size - 1):
@@ -176,16 +251,44 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     dot_f32 = not native and q.dtype == torch.bfloat16
 
     _decode_split_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
-        scale * _LOG2E, cap,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PREC=prec, DOT_F32=dot_f32, num_warps=4, num_stages=2,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part,
+        lse,
+        scale * _LOG2E,
+        cap,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        G=g,
+        G_PAD=g_pad,
+        D=d,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        PREC=prec,
+        DOT_F32=dot_f32,
+        num_warps=4,
+        num_stages=2,
     )
     if num_splits > 1:
         _combine_kernel[(b, h)](
-            part, lse, out, *out.stride(), h,
-            D=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
+            part,
+            lse,
+            out,
+            *out.stride(),
+            h,
+            D=d,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
+            S_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

@@ -1,6 +1,7 @@
 """What every fault has: a trigger (workload shape or environment perturbation), a defect that can
 be planted on the engine's seams, a schedule, verify() with evidence from counters, the checkers
 expected to catch it, and the root cause and remediation an incident report quotes."""
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ class ParamError(ValueError):
 class Num:
     """kind int: an int; kind float: a finite int or float. Never a bool or a string, like the
     [engine] table's check (TOML values are typed already). Within bounds; None too if optional."""
+
     kind: type = int
     ge: float | None = None
     gt: float | None = None
@@ -35,15 +37,30 @@ class Num:
         if self.ge is not None and self.le is not None:
             s += f" in [{self.ge}, {self.le}]"
         else:
-            s += "".join(f" {op} {b}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le)) if b is not None)
-        return s + (" or unset (None)" if self.optional else "")  # TOML has no null: leave the key out
+            s += "".join(
+                f" {op} {b}"
+                for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le))
+                if b is not None
+            )
+        return s + (
+            " or unset (None)" if self.optional else ""
+        )  # TOML has no null: leave the key out
 
     def problem(self, v) -> tuple[str, str, object] | None:
         if v is None and self.optional:
             return None
-        ok = isinstance(v, int) if self.kind is int else isinstance(v, (int, float)) and math.isfinite(v)
-        ok = ok and not isinstance(v, bool) and (self.ge is None or v >= self.ge) and \
-            (self.gt is None or v > self.gt) and (self.le is None or v <= self.le)
+        ok = (
+            isinstance(v, int)
+            if self.kind is int
+            else isinstance(v, (int, float)) and math.isfinite(v)
+        )
+        ok = (
+            ok
+            and not isinstance(v, bool)
+            and (self.ge is None or v >= self.ge)
+            and (self.gt is None or v > self.gt)
+            and (self.le is None or v <= self.le)
+        )
         return None if ok else ("", str(self), v)
 
 
@@ -59,6 +76,7 @@ class Bool:
 @dataclass(frozen=True)
 class ListOf:
     """A list (repeats allowed, empty too) of the given choices; a bad element is named by index."""
+
     choices: tuple[str, ...]
 
     def __str__(self) -> str:
@@ -88,9 +106,13 @@ class Fault:
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
-        if set(cls.domains) != set(cls.defaults):  # a fault's author learns at import, not from a KeyError
-            raise TypeError(f"fault {cls.name or cls.__name__}: domains {sorted(cls.domains)} must name exactly "
-                            f"the params of defaults {sorted(cls.defaults)}")
+        if set(cls.domains) != set(
+            cls.defaults
+        ):  # a fault's author learns at import, not from a KeyError
+            raise TypeError(
+                f"fault {cls.name or cls.__name__}: domains {sorted(cls.domains)} must name exactly "
+                f"the params of defaults {sorted(cls.defaults)}"
+            )
 
     @classmethod
     def check_params(cls, params: dict, engine_config=None) -> dict:
@@ -99,8 +121,11 @@ class Fault:
         scenario file gets at load and a fault gets when constructed."""
         unknown = sorted(set(params) - set(cls.defaults))
         if unknown:
-            raise ParamError(cls.name, unknown[0], f"unknown param of fault {cls.name}; "
-                                                   f"allowed: {sorted(cls.defaults)}")
+            raise ParamError(
+                cls.name,
+                unknown[0],
+                f"unknown param of fault {cls.name}; allowed: {sorted(cls.defaults)}",
+            )
         for key, value in params.items():
             bad = cls.domains[key].problem(value)
             if bad:
@@ -127,7 +152,9 @@ class Fault:
 
     def arm(self, engine: Engine, emit: Callable[[str, dict], None]) -> None:
         """Attach to the engine's seams. emit(kind, detail, step=None) records a fault event."""
-        self.check_engine(self.p, engine.config)  # at load too; again here for a fault built in code
+        self.check_engine(
+            self.p, engine.config
+        )  # at load too; again here for a fault built in code
         self.emit = emit
 
     def before_step(self, engine: Engine, step: int) -> None:
@@ -142,9 +169,18 @@ class Fault:
 
     def verify(self) -> dict:
         """Evidence, from counters, that the planted defect really fired."""
-        return {"fired": bool(self.fired_steps), "first_step": self.fired_steps[0] if self.fired_steps else None,
-                "times": len(self.fired_steps)}
+        return {
+            "fired": bool(self.fired_steps),
+            "first_step": self.fired_steps[0] if self.fired_steps else None,
+            "times": len(self.fired_steps),
+        }
 
     def describe(self) -> dict:
-        return {"name": self.name, "defect": self.defect, "params": self.p, "detectors": list(self.detectors),
-                "root_cause": self.root_cause, "remediation": self.remediation}
+        return {
+            "name": self.name,
+            "defect": self.defect,
+            "params": self.p,
+            "detectors": list(self.detectors),
+            "root_cause": self.root_cause,
+            "remediation": self.remediation,
+        }

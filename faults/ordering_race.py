@@ -1,6 +1,7 @@
 """Failure mode 4: cross-GPU ordering race. Tensor-parallel ranks each hold a copy of the block
 table; one rank's update arrives late. With no version check before compute, that rank reads a
 stale table for a step and writes/reads K/V at the wrong slots."""
+
 from __future__ import annotations
 
 from kvchaos.faults.base import FRACTION, STEP, Fault, Num, ParamError
@@ -9,20 +10,33 @@ from kvchaos.faults.base import FRACTION, STEP, Fault, Num, ParamError
 class OrderingRace(Fault):
     name = "ordering_race"
     detectors = ("cross_rank", "oracle_divergence")
-    root_cause = ("A rank computed before its block-table update had landed: no acknowledgement of the "
-                  "table version before compute, so it read a stale table and used the wrong KV slots.")
-    remediation = ("Ranks acknowledge the table version before computing (barrier / event sync); a stale "
-                   "version is refused.")
+    root_cause = (
+        "A rank computed before its block-table update had landed: no acknowledgement of the "
+        "table version before compute, so it read a stale table and used the wrong KV slots."
+    )
+    remediation = (
+        "Ranks acknowledge the table version before computing (barrier / event sync); a stale "
+        "version is refused."
+    )
     defaults = {"lag_rank": 1, "lag_steps": 1, "probability": 0.3, "from_step": 3}
     # lag_steps 0 is no lag (the update lands on time); lag_rank's upper bound is the engine's tp_size
-    domains = {"lag_rank": Num(int, ge=0), "lag_steps": Num(int, ge=1), "probability": FRACTION, "from_step": STEP}
+    domains = {
+        "lag_rank": Num(int, ge=0),
+        "lag_steps": Num(int, ge=1),
+        "probability": FRACTION,
+        "from_step": STEP,
+    }
 
     @classmethod
     def check_engine(cls, p, engine_config) -> None:
         tp = engine_config.tp_size
         if tp >= 2 and not p["lag_rank"] < tp:  # tp_size < 2 is an error of its own, at arm
-            raise ParamError(cls.name, "lag_rank", f"expected an int in [0, {tp - 1}] (a rank of engine.tp_size = "
-                                                   f"{tp}), got {p['lag_rank']!r}")
+            raise ParamError(
+                cls.name,
+                "lag_rank",
+                f"expected an int in [0, {tp - 1}] (a rank of engine.tp_size = "
+                f"{tp}), got {p['lag_rank']!r}",
+            )
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
@@ -43,7 +57,9 @@ class OrderingRace(Fault):
     def after_step(self, engine, step, output) -> None:
         st = output.stats
         diff = [r for r, c in enumerate(st.rank_table_crcs) if c != st.table_crc]
-        if diff:  # a rank computed on a table that differs from the scheduler's: a stale read served
+        if (
+            diff
+        ):  # a rank computed on a table that differs from the scheduler's: a stale read served
             self.stale_reads += 1
             self.fired(step, {"ranks": diff, "table_version": st.table_version})
 

@@ -1,5 +1,6 @@
 """A run's plan: every submit, fork and cancel, by step. The workload builds it from a seed; each
 fault's trigger adds its own actions before the run. Shared vocabulary of faults and harness."""
+
 from __future__ import annotations
 
 import random
@@ -8,14 +9,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Action:
-    step: int                 # earliest step; with `when`, it waits until the request is in that phase
-    op: str                   # submit | fork | cancel
+    step: int  # earliest step; with `when`, it waits until the request is in that phase
+    op: str  # submit | fork | cancel
     req: str
     prompt: list[int] = field(default_factory=list)
     max_new: int = 0
     parent: str | None = None  # fork source
-    when: str | None = None    # waiting | prefill | decode | preempted | shared
-    origin: str = "workload"   # or the fault that added it
+    when: str | None = None  # waiting | prefill | decode | preempted | shared
+    origin: str = "workload"  # or the fault that added it
 
     def to_dict(self) -> dict:
         d = {"step": self.step, "op": self.op, "req": self.req, "origin": self.origin}

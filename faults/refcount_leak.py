@@ -1,5 +1,6 @@
 """Failure mode 2: reference-count leak on cancel. One cancel path skips the free, so the
 cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains."""
+
 from __future__ import annotations
 
 from kvchaos.faults.base import FRACTION, Fault, ListOf, Num
@@ -11,21 +12,37 @@ PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
 class RefcountLeak(Fault):
     name = "refcount_leak"
     detectors = ("block_accounting", "liveness")
-    root_cause = ("A cancel path returned without releasing the sequence's blocks: their reference counts "
-                  "never dropped, so they stayed out of the free pool with no live owner.")
-    remediation = ("Own blocks through a handle that frees on every exit path (context manager / "
-                   "try-finally) and make free idempotent, so cancel, finish, preempt and error all release.")
-    defaults = {"paths": list(PATHS), "fraction": 1.0, "cancel_phases": ["prefill", "decode", "shared"],
-                "storm_step": None, "storm_fraction": 0.5}
-    domains = {"paths": ListOf(PATHS), "fraction": FRACTION, "cancel_phases": ListOf(PATHS),
-               "storm_step": Num(int, ge=1, optional=True), "storm_fraction": FRACTION}  # storm_step None: no storm
+    root_cause = (
+        "A cancel path returned without releasing the sequence's blocks: their reference counts "
+        "never dropped, so they stayed out of the free pool with no live owner."
+    )
+    remediation = (
+        "Own blocks through a handle that frees on every exit path (context manager / "
+        "try-finally) and make free idempotent, so cancel, finish, preempt and error all release."
+    )
+    defaults = {
+        "paths": list(PATHS),
+        "fraction": 1.0,
+        "cancel_phases": ["prefill", "decode", "shared"],
+        "storm_step": None,
+        "storm_fraction": 0.5,
+    }
+    domains = {
+        "paths": ListOf(PATHS),
+        "fraction": FRACTION,
+        "cancel_phases": ListOf(PATHS),
+        "storm_step": Num(int, ge=1, optional=True),
+        "storm_fraction": FRACTION,
+    }  # storm_step None: no storm
 
     def shape(self, plan, cfg) -> None:
         subs = [a for a in plan.actions if a.op == "submit"]
         forks = [a for a in plan.actions if a.op == "fork"]
         for i, phase in enumerate(self.p["cancel_phases"]):
             if phase == "shared" and forks:
-                plan.add(Action(1, "cancel", forks[i % len(forks)].req, when="shared", origin=self.name))
+                plan.add(
+                    Action(1, "cancel", forks[i % len(forks)].req, when="shared", origin=self.name)
+                )
             elif subs and phase != "shared":
                 t = subs[(2 * i + 1) % len(subs)]
                 plan.add(Action(t.step, "cancel", t.req, when=phase, origin=self.name))
@@ -57,5 +74,9 @@ class RefcountLeak(Fault):
         engine.seams.free_on_exit = free_on_exit
 
     def verify(self) -> dict:
-        return {**super().verify(), "skipped_frees": len(self.leaked),
-                "leaked_blocks": sum(len(x["blocks"]) for x in self.leaked), "leaks": self.leaked}
+        return {
+            **super().verify(),
+            "skipped_frees": len(self.leaked),
+            "leaked_blocks": sum(len(x["blocks"]) for x in self.leaked),
+            "leaks": self.leaked,
+        }

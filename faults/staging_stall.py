@@ -2,6 +2,7 @@
 invalidated (as after a worker fork: its pinned pages are no longer the process's). An engine that
 keeps using it pays a page fault for every page it touches, more pages go bad each step, and
 per-step latency climbs, then plateaus. Outputs stay correct."""
+
 from __future__ import annotations
 
 import os
@@ -43,16 +44,24 @@ class InvalidatedStaging(StagingBuffer):
 class StagingStall(Fault):
     name = "staging_stall"
     detectors = ("latency",)
-    root_cause = ("The host staging buffer of the block-table upload was invalidated (a worker fork left "
-                  "its pinned pages to another process) and the engine kept using it: every upload touched "
-                  "bad pages and paid a page fault each, so per-step latency climbed, then plateaued.")
-    remediation = ("Tag the staging buffer with its owner (pid / generation), check it before every upload, "
-                   "and re-allocate it (pinned) when it is not this process's.")
+    root_cause = (
+        "The host staging buffer of the block-table upload was invalidated (a worker fork left "
+        "its pinned pages to another process) and the engine kept using it: every upload touched "
+        "bad pages and paid a page fault each, so per-step latency climbed, then plateaued."
+    )
+    remediation = (
+        "Tag the staging buffer with its owner (pid / generation), check it before every upload, "
+        "and re-allocate it (pinned) when it is not this process's."
+    )
     # ramp_steps: steps until every page is bad; plateau_us: the stall per upload once they all are
     defaults = {"at_step": 20, "page_bytes": 16, "ramp_steps": 12, "plateau_us": 3000.0}
     # page_bytes and ramp_steps divide: at least 1
-    domains = {"at_step": STEP, "page_bytes": Num(int, ge=1), "ramp_steps": Num(int, ge=1),
-               "plateau_us": Num(float, ge=0)}
+    domains = {
+        "at_step": STEP,
+        "page_bytes": Num(int, ge=1),
+        "ramp_steps": Num(int, ge=1),
+        "plateau_us": Num(float, ge=0),
+    }
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
@@ -67,8 +76,13 @@ class StagingStall(Fault):
         self._step = step
         if step == self.p["at_step"]:
             engine.staging = InvalidatedStaging(engine.staging.tensor.numel(), self)
-            self.emit("trigger", {"what": "staging buffer invalidated (as after a fork)",
-                                  "pages": engine.staging.pages})
+            self.emit(
+                "trigger",
+                {
+                    "what": "staging buffer invalidated (as after a fork)",
+                    "pages": engine.staging.pages,
+                },
+            )
 
     def charged(self, pages: int, seconds: float) -> None:
         self.faults_charged += pages
@@ -79,5 +93,8 @@ class StagingStall(Fault):
                 self.emit("fired", {"pages_faulted": pages}, self._step)
 
     def verify(self) -> dict:
-        return {**super().verify(), "page_faults_charged": self.faults_charged,
-                "stall_seconds_charged": round(self.seconds_charged, 6)}
+        return {
+            **super().verify(),
+            "page_faults_charged": self.faults_charged,
+            "stall_seconds_charged": round(self.seconds_charged, 6),
+        }

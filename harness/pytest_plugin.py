@@ -9,6 +9,7 @@ line's options) and `kvchaos_engine` (an Engine built on the configured block ma
 
 pytest loads this plugin in every session of an environment where kvchaos is installed: it imports
 nothing heavy (no torch, no pydantic) until a scenario file is collected or a kvchaos option is used."""
+
 from __future__ import annotations
 
 import re
@@ -33,13 +34,27 @@ MARKERS = {
 
 def pytest_addoption(parser) -> None:
     g = parser.getgroup("kvchaos")
-    g.addoption("--kvchaos-device", default="cpu", help="device for scenario runs: cpu (default), cuda, auto")
-    g.addoption("--kvchaos-seeds", default=None,
-                help="a count N (seeds 0..N-1) or a list 0,3,7 (default: each scenario's own seeds)")
-    g.addoption("--kvchaos-report-dir", default=None,
-                help="keep each run's folder here (default: a temporary folder per session)")
-    g.addoption("--kvchaos-block-manager", default=None, metavar="MODULE:ATTR",
-                help="run every scenario under this BlockManager (kvchaos.engine.protocols.BlockManagerProtocol)")
+    g.addoption(
+        "--kvchaos-device",
+        default="cpu",
+        help="device for scenario runs: cpu (default), cuda, auto",
+    )
+    g.addoption(
+        "--kvchaos-seeds",
+        default=None,
+        help="a count N (seeds 0..N-1) or a list 0,3,7 (default: each scenario's own seeds)",
+    )
+    g.addoption(
+        "--kvchaos-report-dir",
+        default=None,
+        help="keep each run's folder here (default: a temporary folder per session)",
+    )
+    g.addoption(
+        "--kvchaos-block-manager",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="run every scenario under this BlockManager (kvchaos.engine.protocols.BlockManagerProtocol)",
+    )
 
 
 def pytest_configure(config) -> None:
@@ -60,8 +75,11 @@ def _report_dir(config) -> Path:
     if d:
         return Path(d)
     if not hasattr(config, "_kvchaos_tmp"):
-        config._kvchaos_tmp = config._tmp_path_factory.mktemp("kvchaos") if hasattr(config, "_tmp_path_factory") \
+        config._kvchaos_tmp = (
+            config._tmp_path_factory.mktemp("kvchaos")
+            if hasattr(config, "_tmp_path_factory")
             else Path(__import__("tempfile").mkdtemp(prefix="kvchaos-"))
+        )
     return config._kvchaos_tmp
 
 
@@ -72,9 +90,13 @@ def pytest_sessionfinish(session) -> None:
 
         try:
             update_index(newest.parent, newest=newest)
-        except Exception as e:  # the runs and their reports are written: a stale listing fails no test
+        except (
+            Exception
+        ) as e:  # the runs and their reports are written: a stale listing fails no test
             session.config.get_terminal_writer().line(
-                f"kvchaos: could not update {newest.parent / 'index.html'}: {type(e).__name__}: {e}", yellow=True)
+                f"kvchaos: could not update {newest.parent / 'index.html'}: {type(e).__name__}: {e}",
+                yellow=True,
+            )
 
 
 def is_scenario_file(path: Path) -> bool:
@@ -89,7 +111,10 @@ def is_scenario_file(path: Path) -> bool:
         return "scenario" in tomllib.loads(text)
     except tomllib.TOMLDecodeError:
         # a broken file where scenarios live, or one with a [scenario] table: report it, never skip it
-        return path.parent.name == "scenarios" or re.search(r"(?m)^\s*\[\s*scenario\s*\]", text) is not None
+        return (
+            path.parent.name == "scenarios"
+            or re.search(r"(?m)^\s*\[\s*scenario\s*\]", text) is not None
+        )
 
 
 def pytest_collect_file(file_path: Path, parent):
@@ -109,11 +134,15 @@ class ScenarioFile(pytest.File):
             raise self.CollectError(str(e)) from None
         seeds = parse_seeds(None, self.config.getoption("--kvchaos-seeds")) or sc.scenario.seeds
         known = {line.split(":")[0].split("(")[0].strip() for line in self.config.getini("markers")}
-        for m in sc.markers:  # a scenario's own tags are declared markers (so --strict-markers holds)
+        for (
+            m
+        ) in sc.markers:  # a scenario's own tags are declared markers (so --strict-markers holds)
             if m not in known:
                 self.config.addinivalue_line("markers", f"{m}: tag of kvchaos scenario {sc.name}")
         for seed in seeds:
-            item = ScenarioItem.from_parent(self, name=f"{sc.name}[seed={seed}]", scenario=sc, seed=seed)
+            item = ScenarioItem.from_parent(
+                self, name=f"{sc.name}[seed={seed}]", scenario=sc, seed=seed
+            )
             for m in sc.markers:
                 item.add_marker(m)
             yield item
@@ -147,9 +176,16 @@ class ScenarioItem(pytest.Item):
         if self.get_closest_marker("gpu") or device.startswith("cuda"):
             if not torch.cuda.is_available():
                 pytest.skip("needs a CUDA GPU")
-        r = publish(run_scenario(self.scenario, self.seed, device=device, report_dir=_report_dir(self.config),
-                                 block_manager_spec=self.config.getoption("--kvchaos-block-manager")),
-                    index=False)
+        r = publish(
+            run_scenario(
+                self.scenario,
+                self.seed,
+                device=device,
+                report_dir=_report_dir(self.config),
+                block_manager_spec=self.config.getoption("--kvchaos-block-manager"),
+            ),
+            index=False,
+        )
         self.config._kvchaos_newest = r.run_dir
         self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
         if r.results.get("reason") == "interrupted":  # Ctrl-C stops the session, not just this run
@@ -161,9 +197,14 @@ class ScenarioItem(pytest.Item):
         if not isinstance(excinfo.value, ScenarioFailure):
             return super().repr_failure(excinfo)
         r = excinfo.value.args[0]
-        evidence = "; ".join(f"[{f.checker} @ step {f.step}] {f.message}" for f in r.findings[:3]) or "no findings"
-        return (f"{r.verdict}: {r.summary}\nevidence: {evidence}\n"
-                f"replay: {r.results['replay']}\nrun folder: {r.run_dir}")
+        evidence = (
+            "; ".join(f"[{f.checker} @ step {f.step}] {f.message}" for f in r.findings[:3])
+            or "no findings"
+        )
+        return (
+            f"{r.verdict}: {r.summary}\nevidence: {evidence}\n"
+            f"replay: {r.results['replay']}\nrun folder: {r.run_dir}"
+        )
 
     def reportinfo(self):
         return self.path, None, f"kvchaos {self.scenario.name} seed={self.seed}"
@@ -204,6 +245,9 @@ def kvchaos_engine(request):
         if not spec:
             return Engine(config)
         cc = config.cache
-        return Engine(config, load_object(spec)(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq))
+        return Engine(
+            config,
+            load_object(spec)(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq),
+        )
 
     return make

@@ -1,11 +1,13 @@
 """Paged attention in PyTorch against a per-sequence softmax over the sequence's own K/V, gathered
 token by token through the table: uniform and mixed lengths, unmapped (-1) entries past a row's
 end, a shared per-step plan, and causal prefill chunks that start mid-sequence."""
+
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvchaos.engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode
 
@@ -29,8 +31,16 @@ def naive(q, kc, vc, row, n, scale):
     """q [H, D] against the first n tokens of a table row, in float64: softmax(q k^T) v, query head
     h reading KV head h // (H / Hkv)."""
     bs, groups = kc.shape[1], q.shape[0] // kc.shape[2]
-    k = torch.stack([kc[row[p // bs], p % bs] for p in range(n)]).double().repeat_interleave(groups, dim=1)
-    v = torch.stack([vc[row[p // bs], p % bs] for p in range(n)]).double().repeat_interleave(groups, dim=1)
+    k = (
+        torch.stack([kc[row[p // bs], p % bs] for p in range(n)])
+        .double()
+        .repeat_interleave(groups, dim=1)
+    )
+    v = (
+        torch.stack([vc[row[p // bs], p % bs] for p in range(n)])
+        .double()
+        .repeat_interleave(groups, dim=1)
+    )
     w = torch.einsum("hd,nhd->hn", q.double(), k).mul(scale).softmax(-1)
     return torch.einsum("hn,nhd->hd", w, v)
 
@@ -53,13 +63,21 @@ def test_decode_matches_naive(lens, shared_plan):
 
 def test_plan_masks_only_mixed_lengths():
     _, _, tables = pool_and_tables([8, 8], seed=1)
-    assert plan_decode(tables, torch.tensor([8, 8]), BS).mask is None  # lengths read from the tensor
+    assert (
+        plan_decode(tables, torch.tensor([8, 8]), BS).mask is None
+    )  # lengths read from the tensor
     assert plan_decode(tables, torch.tensor([8, 8]), BS, 8, 8).mask is None  # told on the host
-    assert plan_decode(tables, torch.tensor([8, 8]), BS, 8).mask is not None  # not told: masked, no sync
+    assert (
+        plan_decode(tables, torch.tensor([8, 8]), BS, 8).mask is not None
+    )  # not told: masked, no sync
     plan = plan_decode(tables, torch.tensor([8, 3]), BS)
     assert plan.max_len == 8 and plan.mask is not None
-    assert torch.isinf(plan.mask[1, 0, 0, 3:]).all() and not torch.isinf(plan.mask[1, 0, 0, :3]).any()
-    assert plan.blocks.numel() == 2 * 2 and int(plan.blocks.min()) >= 0  # -1 entries clamped to a real block
+    assert (
+        torch.isinf(plan.mask[1, 0, 0, 3:]).all() and not torch.isinf(plan.mask[1, 0, 0, :3]).any()
+    )
+    assert (
+        plan.blocks.numel() == 2 * 2 and int(plan.blocks.min()) >= 0
+    )  # -1 entries clamped to a real block
 
 
 def test_prefill_chunk_matches_naive():
@@ -75,15 +93,20 @@ def test_prefill_chunk_matches_naive():
 @pytest.mark.parametrize("was", [False, True])
 def test_deterministic_writes_restores_the_global_mode(was):
     from kvchaos.engine.attention import deterministic_writes, write_kv
+
     torch.use_deterministic_algorithms(was)
     try:
         kc, vc = torch.zeros(2, BS, HKV, D), torch.zeros(2, BS, HKV, D)
         k = torch.arange(3 * HKV * D, dtype=torch.float32).view(3, HKV, D)
         with deterministic_writes():
             assert torch.are_deterministic_algorithms_enabled()
-            write_kv(kc, vc, torch.tensor([5, 1, 5]), k, k)  # slot 5 written twice: the last write wins
+            write_kv(
+                kc, vc, torch.tensor([5, 1, 5]), k, k
+            )  # slot 5 written twice: the last write wins
         assert torch.are_deterministic_algorithms_enabled() is was
-        assert torch.equal(kc.view(-1, HKV, D)[5], k[2]) and torch.equal(kc.view(-1, HKV, D)[1], k[1])
+        assert torch.equal(kc.view(-1, HKV, D)[5], k[2]) and torch.equal(
+            kc.view(-1, HKV, D)[1], k[1]
+        )
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -101,7 +124,11 @@ def test_paged_attention_matches_naive_on_random_shapes(data):
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * g, d, generator=gen)
     seq_lens = torch.tensor(lens)
-    plans = (None, plan_decode(tables, seq_lens, bs, max(lens), min(lens)), plan_decode(tables, seq_lens, bs, max(lens)))
+    plans = (
+        None,
+        plan_decode(tables, seq_lens, bs, max(lens), min(lens)),
+        plan_decode(tables, seq_lens, bs, max(lens)),
+    )
     for plan in plans:
         out = paged_decode_torch(q, kc, vc, tables, seq_lens, 0.5, plan=plan)
         for i, n in enumerate(lens):

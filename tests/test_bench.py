@@ -1,6 +1,7 @@
 """kvchaos bench in quick mode: every metric is there, every number is positive and finite, and the
 ratios and target verdicts are computed consistently. Targets are reported, never asserted here:
 timings on a shared machine are noisy."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,17 +15,35 @@ from rich.console import Console
 from kvchaos.harness.bench import suite as bench
 
 METRICS = {
-    "pool_alloc_free_per_s", "pool_vs_nanovllm", "pool_scale_1m_vs_1k", "pool_scale_1m_vs_1k_shared",
-    "build_1m_blockmanager_s", "decode_bookkeeping_us", "engine_decode_b1_steps_per_s", "engine_host_share_b1",
-    "engine_bookkeeping_share_b1", "engine_decode_b8_ctx512_steps_per_s", "engine_host_share_b8_ctx512",
-    "engine_bookkeeping_share_b8_ctx512", "paged_vs_contiguous_b8_ctx512",
-    "harness_checking_suite", "harness_overhead_suite",
+    "pool_alloc_free_per_s",
+    "pool_vs_nanovllm",
+    "pool_scale_1m_vs_1k",
+    "pool_scale_1m_vs_1k_shared",
+    "build_1m_blockmanager_s",
+    "decode_bookkeeping_us",
+    "engine_decode_b1_steps_per_s",
+    "engine_host_share_b1",
+    "engine_bookkeeping_share_b1",
+    "engine_decode_b8_ctx512_steps_per_s",
+    "engine_host_share_b8_ctx512",
+    "engine_bookkeeping_share_b8_ctx512",
+    "paged_vs_contiguous_b8_ctx512",
+    "harness_checking_suite",
+    "harness_overhead_suite",
 }
-SHARES = {"engine_host_share_b1", "engine_host_share_b8_ctx512", "engine_bookkeeping_share_b1",
-          "engine_bookkeeping_share_b8_ctx512"}
+SHARES = {
+    "engine_host_share_b1",
+    "engine_host_share_b8_ctx512",
+    "engine_bookkeeping_share_b1",
+    "engine_bookkeeping_share_b8_ctx512",
+}
 WITH_BASELINE = METRICS - SHARES - {"engine_decode_b1_steps_per_s"}
-WITH_TARGET = METRICS - {"pool_vs_nanovllm", "engine_decode_b8_ctx512_steps_per_s", "engine_host_share_b1",
-                         "engine_host_share_b8_ctx512"}
+WITH_TARGET = METRICS - {
+    "pool_vs_nanovllm",
+    "engine_decode_b8_ctx512_steps_per_s",
+    "engine_host_share_b1",
+    "engine_host_share_b8_ctx512",
+}
 
 
 def positive_finite(v) -> bool:
@@ -56,7 +75,11 @@ def test_every_metric_present_with_positive_finite_numbers(quick_run):
         else:
             assert m["baseline"] is None and m["ratio"] is None, name
         if name in WITH_TARGET:
-            assert positive_finite(m["target"]) and m["target_op"] in ("<=", ">=") and isinstance(m["met"], bool)
+            assert (
+                positive_finite(m["target"])
+                and m["target_op"] in ("<=", ">=")
+                and isinstance(m["met"], bool)
+            )
         else:
             assert m["target"] is None and m["met"] is None, name
 
@@ -69,7 +92,9 @@ def test_ratios_and_verdicts_are_consistent(quick_run):
             assert m["ratio"] == pytest.approx(m["measured"] / m["baseline"], rel=1e-9), name
         if m["target"] is not None:
             v = m["measured"] if m["target_on"] == "measured" else m["ratio"]
-            assert m["met"] == (v >= m["target"] if m["target_op"] == ">=" else v <= m["target"]), name
+            assert m["met"] == (v >= m["target"] if m["target_op"] == ">=" else v <= m["target"]), (
+                name
+            )
     # The same measurements feed several rows: they must agree.
     assert ms["pool_alloc_free_per_s"]["measured"] == ms["pool_vs_nanovllm"]["measured"]
     b8, pvc = ms["engine_decode_b8_ctx512_steps_per_s"], ms["paged_vs_contiguous_b8_ctx512"]
@@ -78,8 +103,14 @@ def test_ratios_and_verdicts_are_consistent(quick_run):
     assert b8["ratio"] == pytest.approx(1 / pvc["ratio"], rel=1e-9)
     for share in SHARES:
         assert ms[share]["measured"] < 1.0
-    for b in ("b1", "b8_ctx512"):  # bookkeeping is the part of host work that is not building inputs
-        assert ms[f"engine_bookkeeping_share_{b}"]["measured"] < ms[f"engine_host_share_{b}"]["measured"]
+    for b in (
+        "b1",
+        "b8_ctx512",
+    ):  # bookkeeping is the part of host work that is not building inputs
+        assert (
+            ms[f"engine_bookkeeping_share_{b}"]["measured"]
+            < ms[f"engine_host_share_{b}"]["measured"]
+        )
 
 
 def test_paged_and_contiguous_agree(quick_run):

@@ -6,10 +6,12 @@ block), resize the table, and provoke OutOfBlocks / TableOverflow, which must le
 exactly as it was. After every rule the invariants I1-I4 of block_manager.py are checked, plus the
 block count of each sequence, the ownership of table rows and the free-row count.
 """
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvchaos.engine.block_manager import BlockManager, BlockPool
@@ -72,8 +74,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert state_of(self.bm) == before, f"{fn.__name__}{args} raised but changed the manager"
 
     # -- rules ---------------------------------------------------------------------------
-    @initialize(num_blocks=st.integers(8, 24), block_size=st.integers(2, 4), rows=st.integers(2, 5),
-                width=st.integers(2, 6))
+    @initialize(
+        num_blocks=st.integers(8, 24),
+        block_size=st.integers(2, 4),
+        rows=st.integers(2, 5),
+        width=st.integers(2, 6),
+    )
     def setup(self, num_blocks, block_size, rows, width):
         self.bm = BlockManager(num_blocks, block_size, rows, width)
 
@@ -85,7 +91,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         oob = need > bm.num_free_blocks or bm.num_free_rows == 0
         overflow = need > bm.table.width
         if oob or overflow:
-            exc = OutOfBlocks if not overflow else TableOverflow if not oob else (OutOfBlocks, TableOverflow)
+            exc = (
+                OutOfBlocks
+                if not overflow
+                else TableOverflow
+                if not oob
+                else (OutOfBlocks, TableOverflow)
+            )
             self.expect_atomic_failure(exc, bm.append, s, n)
             self.seen_errors["oob" if oob else "overflow"] += 1
             return
@@ -105,7 +117,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         oob = need > bm.num_free_blocks
         overflow = need > 0 and cdiv(have + n, bs) > bm.table.width
         if oob or overflow:
-            exc = OutOfBlocks if not overflow else TableOverflow if not oob else (OutOfBlocks, TableOverflow)
+            exc = (
+                OutOfBlocks
+                if not overflow
+                else TableOverflow
+                if not oob
+                else (OutOfBlocks, TableOverflow)
+            )
             self.expect_atomic_failure(exc, bm.append, s, n)
             self.seen_errors["oob" if oob else "overflow"] += 1
             return
@@ -117,14 +135,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if cow:
             src, dst = old[-1], new[len(old) - 1]
             assert copies == [(src, dst)]
-            assert dst != src and bm.pool.ref[dst] == 1 and old_ref[dst] == 0, "copy target must be fresh"
+            assert dst != src and bm.pool.ref[dst] == 1 and old_ref[dst] == 0, (
+                "copy target must be fresh"
+            )
             assert bm.pool.ref[src] == old_ref[src] - 1
-            assert new[:len(old) - 1] == old[:-1]
+            assert new[: len(old) - 1] == old[:-1]
             self.seen_cow += 1
         else:
             assert copies == []
-            assert new[:len(old)] == old, "existing blocks must not move"
-        for b in new[len(old):]:
+            assert new[: len(old)] == old, "existing blocks must not move"
+        for b in new[len(old) :]:
             assert old_ref[b] == 0 and bm.pool.ref[b] == 1, "new blocks come from the free pool"
         self.tokens[s] = have + n
 
@@ -135,7 +155,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def append_decode_batch(self, batch):
         bm, bs = self.bm, self.bm.block_size
-        overflow = any(self.tokens[s] % bs == 0 and len(bm.blocks[s]) >= bm.table.width for s in batch)
+        overflow = any(
+            self.tokens[s] % bs == 0 and len(bm.blocks[s]) >= bm.table.width for s in batch
+        )
         # Exact need, applying the batch in order (one side's copy-on-write unshares the other side).
         ref = list(bm.pool.ref)
         exact, will_cow = 0, []
@@ -150,8 +172,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         upper = sum(bm.blocks_needed(s, 1) for s in batch)
         free = bm.num_free_blocks
         if overflow or exact > free:
-            exc = (TableOverflow if exact <= free else
-                   OutOfBlocks if not overflow else (OutOfBlocks, TableOverflow))
+            exc = (
+                TableOverflow
+                if exact <= free
+                else OutOfBlocks
+                if not overflow
+                else (OutOfBlocks, TableOverflow)
+            )
             self.expect_atomic_failure(exc, bm.append_decode, batch)
             self.seen_errors["overflow" if overflow else "oob"] += 1
             return
@@ -200,7 +227,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         side = forked[child_side]
         if batch:
-            self.append_decode_batch([side, forked[not child_side]][:n % 2 + 1])
+            self.append_decode_batch([side, forked[not child_side]][: n % 2 + 1])
         else:
             self.do_append(side, n)
 
@@ -285,11 +312,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(snap.seq_blocks[s]) == cdiv(count, bs)
             r = snap.seq_rows[s]
             bl = snap.seq_blocks[s]
-            assert snap.table[r * w:(r + 1) * w] == bl + [-1] * (w - len(bl))  # I4
+            assert snap.table[r * w : (r + 1) * w] == bl + [-1] * (w - len(bl))  # I4
         owned = set(snap.seq_rows.values())
         for r in range(bm.table.rows):
             if r not in owned:
-                assert snap.table[r * w:(r + 1) * w] == [-1] * w, f"unowned row {r} is not empty"
+                assert snap.table[r * w : (r + 1) * w] == [-1] * w, f"unowned row {r} is not empty"
         assert len(snap.table) == bm.table.rows * w
         assert bm.num_free_rows == bm.table.rows - len(self.tokens)
         assert sorted(bm._free_rows + list(owned)) == list(range(bm.table.rows))
@@ -297,8 +324,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerStateful = BlockManagerMachine.TestCase
-TestBlockManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                             suppress_health_check=[HealthCheck.too_slow])
+TestBlockManagerStateful.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 # -- plain unit tests ------------------------------------------------------------------------
@@ -365,7 +396,9 @@ def test_append_decode_cow_through_fast_path():
     bm.fork("p", "c")
     src = bm.blocks["p"][1]
     copies = bm.append_decode(["p", "c"])
-    assert copies == [(src, bm.blocks["p"][1])]  # the first side copies; the second then owns src alone
+    assert copies == [
+        (src, bm.blocks["p"][1])
+    ]  # the first side copies; the second then owns src alone
     assert bm.blocks["c"][1] == src and bm.pool.ref[src] == 1
 
 

@@ -1,38 +1,101 @@
 """Each checker on small hand-made histories: it fires where it must (at the right step, with the
 right kind of finding) and stays silent where it must not. A checker that raises gives an
 unknown result (valid=None) through run_checkers, never a pass."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from kvchaos.harness.judge.checkers import (CHECKERS, check_block_accounting, check_cross_rank, check_latency, check_liveness,
-                              check_oracle_divergence, check_table_integrity, run_checkers)
+from kvchaos.harness.judge.checkers import (
+    CHECKERS,
+    check_block_accounting,
+    check_cross_rank,
+    check_latency,
+    check_liveness,
+    check_oracle_divergence,
+    check_table_integrity,
+    run_checkers,
+)
 
 
 # -- tiny constructors for history events (schema: harness/history.py) ---------------------------
 def submit(req, step=1, prompt_len=4, max_new=4, parent=None):
-    return {"e": "submit", "step": step, "req": req, "prompt_len": prompt_len, "max_new": max_new, "parent": parent}
+    return {
+        "e": "submit",
+        "step": step,
+        "req": req,
+        "prompt_len": prompt_len,
+        "max_new": max_new,
+        "parent": parent,
+    }
 
 
 def reject(req, step=1):
-    return {"e": "reject", "step": step, "req": req, "error": "RequestRejected", "message": "too long"}
+    return {
+        "e": "reject",
+        "step": step,
+        "req": req,
+        "error": "RequestRejected",
+        "message": "too long",
+    }
 
 
 def cancel(req, step, phase="decode", blocks=(), shared=False):
-    return {"e": "cancel", "step": step, "req": req, "phase": phase, "shared": shared, "blocks": list(blocks)}
+    return {
+        "e": "cancel",
+        "step": step,
+        "req": req,
+        "phase": phase,
+        "shared": shared,
+        "blocks": list(blocks),
+    }
 
 
-def step(n, tokens=None, finished=(), host_s=1e-3, latency_s=None, prefill=0, decode=1, rank_crcs=(), table_crc=0,
-         stale_ranks=()):
-    return {"e": "step", "step": n, "latency_s": host_s * 2 if latency_s is None else latency_s, "host_s": host_s,
-            "free_blocks": 0, "running": 1, "waiting": 0, "prefill_tokens": prefill, "decode_tokens": decode,
-            "preempted": [], "tokens": dict(tokens or {}), "finished": list(finished), "table_version": n,
-            "stale_ranks": list(stale_ranks), "rank_crcs": list(rank_crcs), "table_crc": table_crc}
+def step(
+    n,
+    tokens=None,
+    finished=(),
+    host_s=1e-3,
+    latency_s=None,
+    prefill=0,
+    decode=1,
+    rank_crcs=(),
+    table_crc=0,
+    stale_ranks=(),
+):
+    return {
+        "e": "step",
+        "step": n,
+        "latency_s": host_s * 2 if latency_s is None else latency_s,
+        "host_s": host_s,
+        "free_blocks": 0,
+        "running": 1,
+        "waiting": 0,
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+        "preempted": [],
+        "tokens": dict(tokens or {}),
+        "finished": list(finished),
+        "table_version": n,
+        "stale_ranks": list(stale_ranks),
+        "rank_crcs": list(rank_crcs),
+        "table_crc": table_crc,
+    }
 
 
-def snapshot(n, seq_blocks, num_blocks=8, width=4, rows=3, seq_rows=None, free=None, ref_counts=None, table=None):
+def snapshot(
+    n,
+    seq_blocks,
+    num_blocks=8,
+    width=4,
+    rows=3,
+    seq_rows=None,
+    free=None,
+    ref_counts=None,
+    table=None,
+):
     """A consistent block-manager snapshot unless a field is overridden: ref counts from the holders,
     every unreferenced block free, each sequence's row = its blocks padded with -1."""
     seq_rows = dict(seq_rows if seq_rows is not None else {s: i for i, s in enumerate(seq_blocks)})
@@ -45,19 +108,34 @@ def snapshot(n, seq_blocks, num_blocks=8, width=4, rows=3, seq_rows=None, free=N
         for s, r in seq_rows.items():
             for i, b in enumerate(seq_blocks.get(s, [])[:width]):
                 table[r * width + i] = b
-    return {"e": "snapshot", "step": n, "num_blocks": num_blocks,
-            "free": list(free) if free is not None else [b for b in range(num_blocks) if refs[b] == 0],
-            "ref_counts": list(ref_counts) if ref_counts is not None else refs,
-            "seq_blocks": {s: list(b) for s, b in seq_blocks.items()}, "seq_rows": seq_rows, "table": list(table),
-            "table_width": width, "live": list(seq_blocks)}
+    return {
+        "e": "snapshot",
+        "step": n,
+        "num_blocks": num_blocks,
+        "free": list(free) if free is not None else [b for b in range(num_blocks) if refs[b] == 0],
+        "ref_counts": list(ref_counts) if ref_counts is not None else refs,
+        "seq_blocks": {s: list(b) for s, b in seq_blocks.items()},
+        "seq_rows": seq_rows,
+        "table": list(table),
+        "table_width": width,
+        "live": list(seq_blocks),
+    }
 
 
 def oracle(req, n, first_divergence=None, divergence_step=None, checked=6):
     div = first_divergence is not None
-    return {"e": "oracle", "step": n, "req": req, "checked": checked, "max_abs_err": 0.5 if div else 1e-6,
-            "max_rel_err": 0.1 if div else 1e-6, "first_divergence": first_divergence,
-            "abs_err_at_divergence": 0.5 if div else None, "tolerance": 1e-4 if div else None,
-            "divergence_step": divergence_step}
+    return {
+        "e": "oracle",
+        "step": n,
+        "req": req,
+        "checked": checked,
+        "max_abs_err": 0.5 if div else 1e-6,
+        "max_rel_err": 0.1 if div else 1e-6,
+        "first_divergence": first_divergence,
+        "abs_err_at_divergence": 0.5 if div else None,
+        "tolerance": 1e-4 if div else None,
+        "divergence_step": divergence_step,
+    }
 
 
 def run_end(n, reason="done"):
@@ -70,7 +148,12 @@ def kinds(result):
 
 # -- oracle divergence -------------------------------------------------------------------------
 def test_oracle_divergence_fires_at_the_engine_step_of_the_first_divergent_token():
-    h = [submit("r0"), submit("r1"), oracle("r0", 9), oracle("r1", 12, first_divergence=3, divergence_step=7)]
+    h = [
+        submit("r0"),
+        submit("r1"),
+        oracle("r0", 9),
+        oracle("r1", 12, first_divergence=3, divergence_step=7),
+    ]
     r = check_oracle_divergence(h)
     assert r.valid is False and r.checked == 2
     (f,) = r.findings
@@ -86,10 +169,19 @@ def test_oracle_divergence_silent_when_every_request_matches():
 
 # -- block accounting --------------------------------------------------------------------------
 def test_block_accounting_silent_on_a_clean_run_with_sharing_cancel_and_finish():
-    h = [submit("r0"), submit("r1", parent=None), snapshot(1, {"r0": [0, 1], "r1": [2]}),
-         submit("f0", step=2, parent="r0"), snapshot(2, {"r0": [0, 1], "r1": [2], "f0": [0, 1]}),  # ref 2 on 0, 1
-         cancel("r1", 3, blocks=[2]), step(3, finished=["f0"]), snapshot(3, {"r0": [0, 1, 3]}),
-         step(4, finished=["r0"]), snapshot(4, {}), run_end(4)]
+    h = [
+        submit("r0"),
+        submit("r1", parent=None),
+        snapshot(1, {"r0": [0, 1], "r1": [2]}),
+        submit("f0", step=2, parent="r0"),
+        snapshot(2, {"r0": [0, 1], "r1": [2], "f0": [0, 1]}),  # ref 2 on 0, 1
+        cancel("r1", 3, blocks=[2]),
+        step(3, finished=["f0"]),
+        snapshot(3, {"r0": [0, 1, 3]}),
+        step(4, finished=["r0"]),
+        snapshot(4, {}),
+        run_end(4),
+    ]
     r = check_block_accounting(h)
     assert r.valid is True and r.findings == [] and r.checked == 4
 
@@ -119,7 +211,9 @@ def test_block_accounting_refcount_mismatch():
 
 
 def test_block_accounting_orphan_block():
-    s = snapshot(6, {"r0": [0]}, free=[2, 3, 4, 5, 6, 7], ref_counts=[1, 1, 0, 0, 0, 0, 0, 0])  # 1: nobody holds it
+    s = snapshot(
+        6, {"r0": [0]}, free=[2, 3, 4, 5, 6, 7], ref_counts=[1, 1, 0, 0, 0, 0, 0, 0]
+    )  # 1: nobody holds it
     r = check_block_accounting([s])
     assert kinds(r) == [(6, "refcount")]  # conservation holds: 1 is referenced, just by no one
     assert r.findings[0].evidence["orphans"] == [1]
@@ -137,13 +231,25 @@ def test_block_accounting_free_but_referenced():
 
 def test_block_accounting_leak_blamed_on_the_cancel_at_the_cancel_step():
     c = cancel("r1", 5, phase="prefill", blocks=[2, 3])
-    h = [submit("r0"), submit("r1"), snapshot(4, {"r0": [0, 1], "r1": [2, 3]}), c, step(5),
-         snapshot(5, {"r0": [0, 1], "r1": [2, 3]}),  # r1 cancelled, still holds its blocks
-         step(6), snapshot(6, {"r0": [0, 1], "r1": [2, 3]}), run_end(6, "max_steps")]
+    h = [
+        submit("r0"),
+        submit("r1"),
+        snapshot(4, {"r0": [0, 1], "r1": [2, 3]}),
+        c,
+        step(5),
+        snapshot(5, {"r0": [0, 1], "r1": [2, 3]}),  # r1 cancelled, still holds its blocks
+        step(6),
+        snapshot(6, {"r0": [0, 1], "r1": [2, 3]}),
+        run_end(6, "max_steps"),
+    ]
     r = check_block_accounting(h)
-    assert kinds(r) == [(5, "leak")]  # once, at the cancel's own step (time to detect 0), not every snapshot
+    assert kinds(r) == [
+        (5, "leak")
+    ]  # once, at the cancel's own step (time to detect 0), not every snapshot
     f = r.findings[0]
-    assert f.evidence["req"] == "r1" and f.evidence["blocks"] == [2, 3] and f.evidence["cancel"] == c
+    assert (
+        f.evidence["req"] == "r1" and f.evidence["blocks"] == [2, 3] and f.evidence["cancel"] == c
+    )
     assert "cancelled at step 5 in phase prefill" in f.message
 
 
@@ -156,7 +262,14 @@ def test_block_accounting_leak_of_a_finished_request():
 
 def test_block_accounting_end_of_run_leak():
     # r0 never ended, so no per-step leak; but the run says it is done and the pool is not whole
-    h = [submit("r0"), step(1), snapshot(1, {"r0": [0, 1]}), step(2), snapshot(2, {"r0": [0, 1]}), run_end(2)]
+    h = [
+        submit("r0"),
+        step(1),
+        snapshot(1, {"r0": [0, 1]}),
+        step(2),
+        snapshot(2, {"r0": [0, 1]}),
+        run_end(2),
+    ]
     r = check_block_accounting(h)
     assert kinds(r) == [(2, "end_leak")]
     assert r.findings[0].evidence == {"free": 6, "total": 8}
@@ -170,18 +283,24 @@ def test_block_accounting_no_end_leak_when_the_run_did_not_finish(reason):
 
 # -- table integrity ---------------------------------------------------------------------------
 def test_table_integrity_silent_on_a_correct_table():
-    h = [snapshot(1, {"r0": [0, 1], "r1": [2]}, seq_rows={"r0": 0, "r1": 2}),
-         snapshot(2, {"r0": [0, 1, 3, 4]}, seq_rows={"r0": 0})]  # a full row is fine
+    h = [
+        snapshot(1, {"r0": [0, 1], "r1": [2]}, seq_rows={"r0": 0, "r1": 2}),
+        snapshot(2, {"r0": [0, 1, 3, 4]}, seq_rows={"r0": 0}),
+    ]  # a full row is fine
     r = check_table_integrity(h)
     assert r.valid is True and r.checked == 2
 
 
 def test_table_integrity_foreign_block_in_a_row():
     t = [0, 1, -1, -1, -1, -1, -1, -1, 2, 0, -1, -1]  # row 2 (r1) also maps r0's block 0
-    r = check_table_integrity([snapshot(4, {"r0": [0, 1], "r1": [2]}, seq_rows={"r0": 0, "r1": 2}, table=t)])
+    r = check_table_integrity(
+        [snapshot(4, {"r0": [0, 1], "r1": [2]}, seq_rows={"r0": 0, "r1": 2}, table=t)]
+    )
     assert kinds(r) == [(4, "foreign_block")]
     ev = r.findings[0].evidence
-    assert ev["row"] == 2 and ev["owner"] == "r1" and ev["entries"] == [1] and ev["intruders"] == [0]
+    assert (
+        ev["row"] == 2 and ev["owner"] == "r1" and ev["entries"] == [1] and ev["intruders"] == [0]
+    )
     assert ev["row_expected"] == [2, -1, -1, -1]
     assert r.findings[0].manifest is False
 
@@ -227,7 +346,11 @@ def _series(values, start=1):
 
 def test_latency_climb_then_plateau_fires_within_the_expected_steps():
     base, climb_from, ramp, top = 1e-3, 31, 10, 6e-3
-    values = [base] * (climb_from - 1) + [base + (top - base) * (i + 1) / ramp for i in range(ramp)] + [top] * 50
+    values = (
+        [base] * (climb_from - 1)
+        + [base + (top - base) * (i + 1) / ramp for i in range(ramp)]
+        + [top] * 50
+    )
     r = check_latency(_series(values))
     assert r.valid is False
     (f,) = r.findings
@@ -245,7 +368,9 @@ def test_latency_step_change_detected_in_a_few_steps():
     assert 21 <= f.step <= 21 + 8 + 4  # a window of 8 slow steps, then 4 sustained, at most
 
 
-def _noisy_flat(seed: int, n: int = 200, spike_p: float = 0.1, burst_p: float = 0.03) -> list[float]:
+def _noisy_flat(
+    seed: int, n: int = 200, spike_p: float = 0.1, burst_p: float = 0.03
+) -> list[float]:
     """1 ms steps with 25% jitter; single-step spikes (x5-x30), and bursts of contention (8 steps of
     which about 70% are slow), as a shared two-core box under another job's load produces."""
     rng = random.Random(seed)
@@ -268,7 +393,9 @@ def test_latency_noisy_but_flat_with_random_spikes_stays_silent(seed):
 
 def test_latency_climb_is_found_through_the_noise():
     noise = _noisy_flat(7, n=120, burst_p=0.0)
-    values = [v + (4e-3 if i >= 60 else 0.0) for i, v in enumerate(noise)]  # every step pays 4 ms more from 61
+    values = [
+        v + (4e-3 if i >= 60 else 0.0) for i, v in enumerate(noise)
+    ]  # every step pays 4 ms more from 61
     (f,) = check_latency(_series(values)).findings
     assert 61 < f.step <= 61 + 20
 
@@ -287,7 +414,9 @@ def test_latency_ignores_prefill_steps_and_judges_the_chosen_signal():
     h = _series([1e-3] * 40)
     for e in h[20:]:
         e["latency_s"] = 9e-3  # the whole step got slow, the host side did not
-    h += [step(41 + i, host_s=20e-3, prefill=16, decode=0) for i in range(10)]  # slow prefill steps: not judged
+    h += [
+        step(41 + i, host_s=20e-3, prefill=16, decode=0) for i in range(10)
+    ]  # slow prefill steps: not judged
     assert check_latency(h).valid is True
     assert check_latency(h).checked == 40
     (f,) = check_latency(h, signal="latency_s").findings
@@ -301,32 +430,56 @@ def test_latency_too_short_to_judge_is_not_a_finding():
 
 # -- cross-rank --------------------------------------------------------------------------------
 def test_cross_rank_fires_on_the_step_a_rank_differs():
-    h = [step(1), step(2, rank_crcs=[7, 7], table_crc=7), step(3, rank_crcs=[9, 8], table_crc=9, stale_ranks=[1]),
-         step(4, rank_crcs=[5, 5], table_crc=5)]
+    h = [
+        step(1),
+        step(2, rank_crcs=[7, 7], table_crc=7),
+        step(3, rank_crcs=[9, 8], table_crc=9, stale_ranks=[1]),
+        step(4, rank_crcs=[5, 5], table_crc=5),
+    ]
     r = check_cross_rank(h)
-    assert kinds(r) == [(3, "stale_table")] and r.checked == 3  # step 1 had one rank: nothing to compare
+    assert (
+        kinds(r) == [(3, "stale_table")] and r.checked == 3
+    )  # step 1 had one rank: nothing to compare
     ev = r.findings[0].evidence
     assert ev["ranks"] == [1] and ev["stale_ranks"] == [1] and ev["table_crc"] == 9
 
 
 def test_cross_rank_silent_when_every_rank_agrees_or_there_is_one_rank():
-    h = [step(1), step(2, rank_crcs=[3, 3, 3, 3], table_crc=3), step(3, rank_crcs=[4, 4], table_crc=4)]
+    h = [
+        step(1),
+        step(2, rank_crcs=[3, 3, 3, 3], table_crc=3),
+        step(3, rank_crcs=[4, 4], table_crc=4),
+    ]
     assert check_cross_rank(h).valid is True
     assert check_cross_rank([step(1), step(2)]).checked == 0
 
 
 # -- liveness ----------------------------------------------------------------------------------
 def test_liveness_silent_when_every_request_ends_somehow():
-    h = [submit("r0"), submit("r1"), submit("r2"), reject("r1"), step(1, tokens={"r0": 5}), cancel("r2", 2),
-         step(2, tokens={"r0": 6}, finished=["r0"]), run_end(2)]
+    h = [
+        submit("r0"),
+        submit("r1"),
+        submit("r2"),
+        reject("r1"),
+        step(1, tokens={"r0": 5}),
+        cancel("r2", 2),
+        step(2, tokens={"r0": 6}, finished=["r0"]),
+        run_end(2),
+    ]
     r = check_liveness(h)
     assert r.valid is True and r.checked == 3
 
 
 @pytest.mark.parametrize("reason", ["done", "max_steps"])
 def test_liveness_unfinished_requests_at_the_end(reason):
-    h = [submit("r0"), submit("r1"), step(1, tokens={"r0": 1, "r1": 2}), step(2, tokens={"r1": 3}, finished=["r1"]),
-         step(3, tokens={"r0": 4}), run_end(3, reason)]
+    h = [
+        submit("r0"),
+        submit("r1"),
+        step(1, tokens={"r0": 1, "r1": 2}),
+        step(2, tokens={"r1": 3}, finished=["r1"]),
+        step(3, tokens={"r0": 4}),
+        run_end(3, reason),
+    ]
     r = check_liveness(h)
     assert kinds(r) == [(3, "unfinished")]
     assert r.findings[0].evidence == {"requests": ["r0"]}
@@ -362,12 +515,18 @@ def test_run_checkers_runs_every_checker_and_passes_options():
     assert all(c.valid is True for c in out if c.checker != "liveness")
 
 
-@pytest.mark.parametrize("bad, broken", [
-    ({"e": "snapshot", "step": 1, "num_blocks": 4}, {"block_accounting", "table_integrity"}),  # fields missing
-    ({"e": "oracle", "step": 2, "req": "r0"}, {"oracle_divergence"}),
-    ({"e": "step", "step": 3, "rank_crcs": [1, 2]}, {"cross_rank"}),  # no table_crc
-    ({"e": "cancel", "step": 1}, {"block_accounting", "liveness"}),  # no req
-])
+@pytest.mark.parametrize(
+    "bad, broken",
+    [
+        (
+            {"e": "snapshot", "step": 1, "num_blocks": 4},
+            {"block_accounting", "table_integrity"},
+        ),  # fields missing
+        ({"e": "oracle", "step": 2, "req": "r0"}, {"oracle_divergence"}),
+        ({"e": "step", "step": 3, "rank_crcs": [1, 2]}, {"cross_rank"}),  # no table_crc
+        ({"e": "cancel", "step": 1}, {"block_accounting", "liveness"}),  # no req
+    ],
+)
 def test_a_checker_that_raises_is_unknown_never_a_pass(bad, broken):
     out = {c.checker: c for c in run_checkers([submit("r0"), bad])}
     for name in broken:
@@ -382,8 +541,16 @@ def test_manifest_and_latent_flags():
     timing, rank hashes and liveness say nothing about outputs."""
     corrupt_table = [0, 1, -1, -1, 6, -1, -1, -1] + [-1] * 4
     s = snapshot(3, {"r0": [0, 1]}, table=corrupt_table, free=[2, 3, 4, 5, 6])  # 7 missing too
-    h = [submit("r0", step=1), oracle("r0", 4, first_divergence=1, divergence_step=3), s,
-         step(3, rank_crcs=[1, 2], table_crc=1)] + [step(n) for n in range(4, 10)] + [run_end(9)]
+    h = (
+        [
+            submit("r0", step=1),
+            oracle("r0", 4, first_divergence=1, divergence_step=3),
+            s,
+            step(3, rank_crcs=[1, 2], table_crc=1),
+        ]
+        + [step(n) for n in range(4, 10)]
+        + [run_end(9)]
+    )
     by = {c.checker: c for c in run_checkers(h, {"liveness": {"bound_steps": 4}})}
     assert [f.manifest for f in by["oracle_divergence"].findings] == [True]
     assert {f.manifest for f in by["table_integrity"].findings} == {False}

@@ -1,5 +1,6 @@
 """The kvchaos command line: help, list, run with its table, one exit code per verdict, and bad
 input refused with exit 2 and one clear line (no traceback, no run started)."""
+
 from __future__ import annotations
 
 import json
@@ -47,13 +48,24 @@ def test_help_from_the_console_script():
     out = subprocess.run([str(KVCHAOS), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stderr == ""
     assert "list" in out.stdout and "run" in out.stdout
-    assert "exit codes: 0 PASS, 10 MISSED, 11 FALSE_ALARM, 12 INCONCLUSIVE, 13 ERROR, 2 bad input" in out.stdout
+    assert (
+        "exit codes: 0 PASS, 10 MISSED, 11 FALSE_ALARM, 12 INCONCLUSIVE, 13 ERROR, 2 bad input"
+        in out.stdout
+    )
 
 
 def test_run_help(capsys):
     rc, out, _ = cli(capsys, "run", "--help")
     assert rc == 0
-    for flag in ("--seed", "--seeds", "--device", "--report-dir", "--block-manager", "--tag", "--timeout"):
+    for flag in (
+        "--seed",
+        "--seeds",
+        "--device",
+        "--report-dir",
+        "--block-manager",
+        "--tag",
+        "--timeout",
+    ):
         assert flag in out
     assert "10 MISSED" in out
 
@@ -64,7 +76,12 @@ def test_list_shows_every_builtin_with_expectation_and_markers(capsys):
     for sc in builtin_scenarios():
         assert sc.name in out
     row = next(line for line in out.splitlines() if "refcount-leak-detect" in line)
-    assert "detect by" in row and "block_accounting" in row and "fault_refcount_leak" in row and "(defect)" in row
+    assert (
+        "detect by" in row
+        and "block_accounting" in row
+        and "fault_refcount_leak" in row
+        and "(defect)" in row
+    )
     row = next(line for line in out.splitlines() if "refcount-leak-clean" in line)
     assert "clean" in row and "(trigger only)" in row
 
@@ -72,24 +89,47 @@ def test_list_shows_every_builtin_with_expectation_and_markers(capsys):
 def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):
     """And the same seed gives the same history in another process (the staging scenario records a
     buffer re-allocation, whose process id must not leak into the digest)."""
-    out = subprocess.run([str(KVCHAOS), "run", "baseline-clean", "staging-stall-clean", "--seed", "0",
-                          "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            str(KVCHAOS),
+            "run",
+            "baseline-clean",
+            "staging-stall-clean",
+            "--seed",
+            "0",
+            "--report-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
-    assert "kvchaos: 2 runs" in out.stdout and "baseline-clean" in out.stdout and "PASS 1/1" in out.stdout
+    assert (
+        "kvchaos: 2 runs" in out.stdout
+        and "baseline-clean" in out.stdout
+        and "PASS 1/1" in out.stdout
+    )
     assert "overall: PASS" in out.stdout
     dirs = run_dirs(tmp_path)
     assert len(dirs) == 2
     stall = next(d for d in dirs if "staging-stall-clean" in d.name)
     theirs = json.loads((stall / "results.json").read_text())["history_digest"]
-    ours = run_scenario(load_scenario("staging-stall-clean"), 0, report_dir=None).results["history_digest"]
+    ours = run_scenario(load_scenario("staging-stall-clean"), 0, report_dir=None).results[
+        "history_digest"
+    ]
     assert theirs == ours
 
 
 def test_run_detect_scenario_passes(capsys, tmp_path):
-    rc, out, _ = cli(capsys, "run", "table-overflow-detect", "--seed", "1", "--report-dir", tmp_path, "-q")
+    rc, out, _ = cli(
+        capsys, "run", "table-overflow-detect", "--seed", "1", "--report-dir", tmp_path, "-q"
+    )
     assert rc == 0
     row = next(line for line in out.splitlines() if "table-overflow-detect" in line)
-    cells = [c.strip() for c in row.split("│")[1:-1]]  # scenario, seeds, verdicts, time to detect, steps
+    cells = [
+        c.strip() for c in row.split("│")[1:-1]
+    ]  # scenario, seeds, verdicts, time to detect, steps
     assert cells[:3] == ["table-overflow-detect", "1", "PASS 1/1"] and int(cells[3]) <= 2
     assert len(run_dirs(tmp_path)) == 1
 
@@ -98,9 +138,18 @@ BAD = [
     (["run", "--seeds", "abc"], "--seeds 'abc': expected a count"),
     (["run", "--seeds", "0"], "--seeds 0: the count must be >= 1"),
     (["run", "--seeds", "1,x"], "--seeds '1,x'"),
-    (["run", "no-such-scenario", "--seed", "0"], "no-such-scenario: no such scenario file or built-in scenario"),
-    (["run", "baseline-clean", "--block-manager", "nosuch:thing"], "'nosuch:thing': cannot import nosuch"),
-    (["run", "baseline-clean", "--block-manager", "kvchaos.engine.block_manager:Nope"], "has no attribute Nope"),
+    (
+        ["run", "no-such-scenario", "--seed", "0"],
+        "no-such-scenario: no such scenario file or built-in scenario",
+    ),
+    (
+        ["run", "baseline-clean", "--block-manager", "nosuch:thing"],
+        "'nosuch:thing': cannot import nosuch",
+    ),
+    (
+        ["run", "baseline-clean", "--block-manager", "kvchaos.engine.block_manager:Nope"],
+        "has no attribute Nope",
+    ),
     (["run", "baseline-clean", "--block-manager", "justamodule"], "expected module:attr"),
     (["run", "--tag", "no-such-tag"], "no scenario matches"),
     (["list", "missing.toml"], "missing.toml: no such scenario file"),
@@ -109,7 +158,9 @@ BAD = [
 
 @pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
-    rc, out, err = cli(capsys, *argv, *(["--report-dir", tmp_path / "r"] if argv[0] == "run" else []))
+    rc, out, err = cli(
+        capsys, *argv, *(["--report-dir", tmp_path / "r"] if argv[0] == "run" else [])
+    )
     assert rc == 2
     assert err.startswith("kvchaos: error: ") and err.count("\n") == 1 and message in err, err
     assert "Traceback" not in err + out
@@ -130,23 +181,41 @@ def test_argparse_errors_exit_2_naming_the_flag(capsys):
 
 
 LEAK_FAULT = '[[faults]]\nname = "refcount_leak"\n'
-SMALL = '[workload]\nnum_requests = 8\nfork_groups = 1\n[engine.cache]\nnum_blocks = 48\nblock_size = 4\n'
+SMALL = "[workload]\nnum_requests = 8\nfork_groups = 1\n[engine.cache]\nnum_blocks = 48\nblock_size = 4\n"
 
 
 def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
     """One scenario per verdict, each through the command line; several at once exit with the worst."""
     files = {
-        "PASS": write_scenario(tmp_path, "leak-caught", SMALL + LEAK_FAULT +
-                               '[expect]\noutcome = "detect"\ncheckers = ["block_accounting"]\nwithin_steps = 2\n'),
+        "PASS": write_scenario(
+            tmp_path,
+            "leak-caught",
+            SMALL
+            + LEAK_FAULT
+            + '[expect]\noutcome = "detect"\ncheckers = ["block_accounting"]\nwithin_steps = 2\n',
+        ),
         # the leak fires, but the expectation names a checker that cannot see it
-        "MISSED": write_scenario(tmp_path, "leak-wrong-checker", SMALL + LEAK_FAULT +
-                                 '[expect]\noutcome = "detect"\ncheckers = ["cross_rank"]\n'),
+        "MISSED": write_scenario(
+            tmp_path,
+            "leak-wrong-checker",
+            SMALL + LEAK_FAULT + '[expect]\noutcome = "detect"\ncheckers = ["cross_rank"]\n',
+        ),
         # no cancel ever happens: the planted leak cannot fire
-        "INCONCLUSIVE": write_scenario(tmp_path, "leak-never-fires", SMALL + LEAK_FAULT + 'params = { cancel_phases = [] }\n'
-                                       '[expect]\noutcome = "detect"\ncheckers = ["block_accounting"]\n'),
+        "INCONCLUSIVE": write_scenario(
+            tmp_path,
+            "leak-never-fires",
+            SMALL + LEAK_FAULT + "params = { cancel_phases = [] }\n"
+            '[expect]\noutcome = "detect"\ncheckers = ["block_accounting"]\n',
+        ),
         # the ordering race needs two ranks: the run cannot start
-        "ERROR": write_scenario(tmp_path, "race-one-rank", SMALL + '[[faults]]\nname = "ordering_race"\ndefect = false\n'),
-        "FALSE_ALARM": write_scenario(tmp_path, "clean-under-leaky-bm", SMALL + '[workload.cancel]\nphases = ["shared"]\n'),
+        "ERROR": write_scenario(
+            tmp_path,
+            "race-one-rank",
+            SMALL + '[[faults]]\nname = "ordering_race"\ndefect = false\n',
+        ),
+        "FALSE_ALARM": write_scenario(
+            tmp_path, "clean-under-leaky-bm", SMALL + '[workload.cancel]\nphases = ["shared"]\n'
+        ),
     }
     (tmp_path / "leaky_bm.py").write_text(
         "from kvchaos.engine.block_manager import BlockManager\n"
@@ -155,7 +224,8 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
         "        blocks = self.blocks.get(seq_id)\n"
         "        if blocks and any(self.pool.ref[b] > 1 for b in blocks):\n"
         "            return True\n"
-        "        return super().free(seq_id)\n")
+        "        return super().free(seq_id)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for verdict, path in files.items():
         extra = ["--block-manager", "leaky_bm:Leaky"] if verdict == "FALSE_ALARM" else []
@@ -164,8 +234,18 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
         assert f"{verdict} 1/1" in out
         if verdict != "PASS":  # the failure line says how to replay it
             assert f"replay: kvchaos run {path} --seed 0 --device cpu" in out
-    rc, out, _ = cli(capsys, "run", files["PASS"], files["INCONCLUSIVE"], files["MISSED"], "--seed", "0",
-                     "--report-dir", tmp_path / "r", "-q")
+    rc, out, _ = cli(
+        capsys,
+        "run",
+        files["PASS"],
+        files["INCONCLUSIVE"],
+        files["MISSED"],
+        "--seed",
+        "0",
+        "--report-dir",
+        tmp_path / "r",
+        "-q",
+    )
     assert rc == EXIT_CODES["MISSED"] and "overall: MISSED" in out
 
 
@@ -178,7 +258,16 @@ def test_ctrl_c_stops_the_run_and_keeps_the_record(capsys, tmp_path, monkeypatch
         return real(self)
 
     monkeypatch.setattr(Engine, "step", step)
-    rc, out, err = cli(capsys, "run", "baseline-clean", "refcount-leak-clean", "--seeds", "3", "--report-dir", tmp_path)
+    rc, out, err = cli(
+        capsys,
+        "run",
+        "baseline-clean",
+        "refcount-leak-clean",
+        "--seeds",
+        "3",
+        "--report-dir",
+        tmp_path,
+    )
     assert rc == 130 and "interrupted" in err
     (only,) = run_dirs(tmp_path)  # the first run, and nothing after it
     res = json.loads((only / "results.json").read_text())
@@ -197,6 +286,9 @@ def test_a_batch_builds_the_index_once_with_every_run(capsys, tmp_path, monkeypa
     rc, _, _ = cli(capsys, "run", "baseline-clean", "--seeds", "3", "--report-dir", tmp_path, "-q")
     assert rc == 0 and len(calls) == 1
     dirs = run_dirs(tmp_path)
-    assert sorted(json.loads((tmp_path / "index.json").read_text())) == [d.name for d in dirs] and len(dirs) == 3
+    assert (
+        sorted(json.loads((tmp_path / "index.json").read_text())) == [d.name for d in dirs]
+        and len(dirs) == 3
+    )
     html = (tmp_path / "index.html").read_text()
     assert all(d.name in html for d in dirs)

@@ -2,6 +2,7 @@
 defect is caught and its remediation holds with real ranks, with the same verdicts and evidence as
 the in-process simulation; tokens and logits are bit-identical to the simulation's; a rank that
 dies or hangs is an ERROR naming it, and no process is left behind."""
+
 from __future__ import annotations
 
 import random
@@ -39,8 +40,10 @@ def _children() -> set[int]:
 
 def _comparable(results: dict) -> dict:
     """What must not depend on where the ranks live: verdict, evidence, fault counters, outputs."""
-    return {k: results[k] for k in ("verdict", "summary", "time_to_detect_steps", "fault_verify", "checkers", "steps")} | \
-        {"tokens": results["metrics"]["tokens"]}
+    return {
+        k: results[k]
+        for k in ("verdict", "summary", "time_to_detect_steps", "fault_verify", "checkers", "steps")
+    } | {"tokens": results["metrics"]["tokens"]}
 
 
 @pytest.mark.parametrize("name", ["ordering-race-detect", "ordering-race-clean"])
@@ -64,7 +67,9 @@ def _drive(engine, sync: bool) -> list:
     engine.seams.rank_delay = lambda rank, step: 1 if rank == 1 and step % 5 == 0 else 0
     rng = random.Random(7)
     for i in range(8):
-        engine.add_request(f"r{i}", [rng.randrange(256) for _ in range(rng.randint(3, 30))], rng.randint(4, 16))
+        engine.add_request(
+            f"r{i}", [rng.randrange(256) for _ in range(rng.randint(3, 30))], rng.randint(4, 16)
+        )
     out = []
     while engine.has_unfinished():
         o = engine.step()
@@ -79,8 +84,13 @@ def _drive(engine, sync: bool) -> list:
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_tokens_and_logits_bit_identical_to_the_simulation(cluster, sync):
-    cfg = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=24, max_blocks_per_seq=16, max_num_seqs=8),
-                       tp_size=2, max_prefill_tokens=24, seed=3, attention_backend="torch")
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=24, max_blocks_per_seq=16, max_num_seqs=8),
+        tp_size=2,
+        max_prefill_tokens=24,
+        seed=3,
+        attention_backend="torch",
+    )
     sim = _drive(Engine(cfg), sync)
     eng = DistEngine(cfg, cluster=cluster)
     try:
@@ -97,7 +107,10 @@ def test_tokens_and_logits_bit_identical_to_the_simulation(cluster, sync):
         assert not stale and all(c == a[3] for a in real for c in a[2])
     else:  # the defect: rank 1 computed on its old table, and its crc says so
         assert stale and any(a[2][1] != a[3] for a in stale)
-    assert [t["gather"] > 0 for t in eng.rank_timers] == [True, True]  # both ranks really computed their heads
+    assert [t["gather"] > 0 for t in eng.rank_timers] == [
+        True,
+        True,
+    ]  # both ranks really computed their heads
 
 
 def test_a_rank_on_a_stale_table_version_refuses_the_step(cluster, monkeypatch):
@@ -105,11 +118,15 @@ def test_a_rank_on_a_stale_table_version_refuses_the_step(cluster, monkeypatch):
     eng = DistEngine(EngineConfig(tp_size=2), cluster=cluster)
     monkeypatch.setattr(eng.ranks, "sync", lambda: 0)  # the wait for updates in flight, broken
     try:
-        with pytest.raises(StaleTable, match=r"step 5: ranks \[1\] hold table versions \[4\], the step's is 5"):
+        with pytest.raises(
+            StaleTable, match=r"step 5: ranks \[1\] hold table versions \[4\], the step's is 5"
+        ):
             _drive(eng, sync=True)
     finally:
         eng.close()
-    assert eng.step_count == 5 and eng.wire is None  # refused at the first late update; the ranks were let go
+    assert (
+        eng.step_count == 5 and eng.wire is None
+    )  # refused at the first late update; the ranks were let go
 
 
 def _three_rank_scenario():
@@ -123,13 +140,22 @@ def _three_rank_scenario():
 def test_a_rank_that_dies_is_an_error_naming_it_and_nothing_is_left(cluster, monkeypatch):
     cluster.close()  # relaunched below with the hook in its environment (one process group at a time)
     before = _children()
-    monkeypatch.setenv(TEST_FAULT_ENV, "die:1:6")  # test-only hook: rank 1 SIGKILLs itself at step 6
-    r = run_scenario(_three_rank_scenario(), 0, report_dir=None, tp_mode="distributed", cluster=cluster)
+    monkeypatch.setenv(
+        TEST_FAULT_ENV, "die:1:6"
+    )  # test-only hook: rank 1 SIGKILLs itself at step 6
+    r = run_scenario(
+        _three_rank_scenario(), 0, report_dir=None, tp_mode="distributed", cluster=cluster
+    )
     assert r.verdict == "ERROR"
     assert r.results["error"]["error"] == "RankFailure"
-    assert "rank 1 died (SIGKILL)" in r.results["error"]["message"] and "step 6" in r.results["error"]["message"]
+    assert (
+        "rank 1 died (SIGKILL)" in r.results["error"]["message"]
+        and "step 6" in r.results["error"]["message"]
+    )
     assert r.results["steps"] == 6
-    assert _children() <= before  # rank 2, stuck in a collective with the dead rank, was killed and reaped
+    assert (
+        _children() <= before
+    )  # rank 2, stuck in a collective with the dead rank, was killed and reaped
 
 
 def test_a_rank_that_hangs_is_an_error_after_the_timeout_and_is_killed(cluster, monkeypatch):
@@ -138,16 +164,32 @@ def test_a_rank_that_hangs_is_an_error_after_the_timeout_and_is_killed(cluster, 
     monkeypatch.setenv(TEST_FAULT_ENV, "hang:1:5")
     monkeypatch.setattr(cluster, "timeout_s", 3)
     t0 = time.monotonic()
-    r = run_scenario(load_scenario("ordering-race-clean"), 0, report_dir=None, tp_mode="distributed", cluster=cluster)
+    r = run_scenario(
+        load_scenario("ordering-race-clean"),
+        0,
+        report_dir=None,
+        tp_mode="distributed",
+        cluster=cluster,
+    )
     took = time.monotonic() - t0
-    assert _children() <= before  # the hung rank was killed with the run, not left for the cluster's close
+    assert (
+        _children() <= before
+    )  # the hung rank was killed with the run, not left for the cluster's close
     assert r.verdict == "ERROR" and r.results["error"]["error"] == "RankFailure"
-    assert "rank 1 hung: no answer within 3 s" in r.results["error"]["message"], r.results["error"]["message"]
+    assert "rank 1 hung: no answer within 3 s" in r.results["error"]["message"], r.results["error"][
+        "message"
+    ]
     assert took < 45  # the group timeout (3 s), not the default (60 s)
 
 
 def test_world_size_must_divide_the_kv_heads():
-    r = run_scenario(load_scenario("ordering-race-clean"), 0, report_dir=None, tp_mode="distributed", world_size=3)
+    r = run_scenario(
+        load_scenario("ordering-race-clean"),
+        0,
+        report_dir=None,
+        tp_mode="distributed",
+        world_size=3,
+    )
     assert r.verdict == "ERROR" and "engine.tp_size" in r.results["error"]["message"]
 
 
@@ -170,6 +212,8 @@ def test_nccl_ranks_beyond_the_gpus_are_refused_before_any_process_starts(monkey
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cluster = Cluster()
-    with pytest.raises(ConfigError, match=r"2 NCCL ranks need one GPU each from cuda:0; this machine has 1"):
+    with pytest.raises(
+        ConfigError, match=r"2 NCCL ranks need one GPU each from cuda:0; this machine has 1"
+    ):
         cluster._start(2, torch.device("cuda", 0))
     assert not cluster.procs

@@ -2,34 +2,65 @@
 nothing (block manager snapshot, request ids, queues), and the engine still runs its other
 requests to completion, matching the oracle. Plus configuration validation and the config
 helpers (KV bytes per token, blocks in a memory budget)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvchaos.engine import (CacheConfig, ConfigError, Engine, EngineConfig, InvalidRequest, KVChaosError, ModelConfig,
-                    RequestRejected, State)
+from kvchaos.engine import (
+    CacheConfig,
+    ConfigError,
+    Engine,
+    EngineConfig,
+    InvalidRequest,
+    KVChaosError,
+    ModelConfig,
+    RequestRejected,
+    State,
+)
 from kvchaos.engine.config import blocks_in_budget, kv_bytes_per_block
 from kvchaos.harness.judge.oracle import Oracle
 
 VOCAB = 61
-MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                    intermediate_size=64, vocab_size=VOCAB, max_position=128)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    vocab_size=VOCAB,
+    max_position=128,
+)
 BS, WIDTH, POOL = 4, 6, 40  # a table row holds 24 tokens
 
 
 def make_engine(policy="reject", num_blocks=POOL, **kw) -> Engine:
-    cache = CacheConfig(block_size=BS, num_blocks=num_blocks, max_blocks_per_seq=WIDTH, max_num_seqs=4,
-                        overflow_policy=policy)
-    return Engine(EngineConfig(model=MODEL, cache=cache, seed=3, attention_backend="torch", max_prefill_tokens=8,
-                               **kw))
+    cache = CacheConfig(
+        block_size=BS,
+        num_blocks=num_blocks,
+        max_blocks_per_seq=WIDTH,
+        max_num_seqs=4,
+        overflow_policy=policy,
+    )
+    return Engine(
+        EngineConfig(
+            model=MODEL, cache=cache, seed=3, attention_backend="torch", max_prefill_tokens=8, **kw
+        )
+    )
 
 
 def fingerprint(eng: Engine) -> dict:
-    return {"bm": eng.bm.snapshot().to_dict(), "seqs": list(eng.seqs),
-            "waiting": [s.id for s in eng.waiting], "running": [s.id for s in eng.running],
-            "states": {k: (s.state, list(s.tokens), s.num_computed) for k, s in eng.seqs.items()},
-            "table": (eng.bm.table.rows, eng.bm.table.width), "step": eng.step_count}
+    return {
+        "bm": eng.bm.snapshot().to_dict(),
+        "seqs": list(eng.seqs),
+        "waiting": [s.id for s in eng.waiting],
+        "running": [s.id for s in eng.running],
+        "states": {k: (s.state, list(s.tokens), s.num_computed) for k, s in eng.seqs.items()},
+        "table": (eng.bm.table.rows, eng.bm.table.width),
+        "step": eng.step_count,
+    }
 
 
 def run_to_completion(eng: Engine, logits: dict) -> None:
@@ -48,13 +79,19 @@ def check_oracle(eng: Engine, logits: dict) -> None:
         assert s.done
         rows = logits.get(s.id, [])
         assert len(rows) == s.num_generated
-        res = oracle.check(s.id, s.tokens, s.prompt_len, torch.stack(rows) if rows else torch.empty(0, VOCAB))
+        res = oracle.check(
+            s.id, s.tokens, s.prompt_len, torch.stack(rows) if rows else torch.empty(0, VOCAB)
+        )
         assert res.first_divergence is None and res.max_abs_err < 1e-4, res.to_dict()
 
 
 def assert_all_free(eng: Engine) -> None:
     bm = eng.bm
-    assert bm.num_free_blocks == bm.num_blocks and bm.blocks == {} and bm.num_free_rows == bm.table.rows
+    assert (
+        bm.num_free_blocks == bm.num_blocks
+        and bm.blocks == {}
+        and bm.num_free_rows == bm.table.rows
+    )
     assert set(bm.table.host.tolist()) == {-1}
 
 
@@ -161,7 +198,9 @@ def test_resize_policy_admits_overlong_request_and_matches_oracle():
     eng.add_request("long", list(range(1, 31)), 10)  # 40 tokens: 10 blocks > width 6
     assert eng.bm.table.width == 10
     r = before.seq_rows["short"]
-    assert eng.bm.table.row(r)[:WIDTH] == before.table[r * WIDTH:(r + 1) * WIDTH]  # rows kept on growth
+    assert (
+        eng.bm.table.row(r)[:WIDTH] == before.table[r * WIDTH : (r + 1) * WIDTH]
+    )  # rows kept on growth
     eng.fork("long", "long.1", 6, [2, 2])  # 32 tokens + 6 = 38 fits; the child of a waiting parent
     eng.add_request("longer", [9] * 40, 4)  # 44 tokens: 11 blocks, grows again
     assert eng.bm.table.width == 11
@@ -187,8 +226,18 @@ def test_cancel_errors_and_noops(busy):
     assert_all_free(eng)
 
 
-@pytest.mark.parametrize("case", ["finished parent", "cancelled parent", "unknown parent", "duplicate child",
-                                  "bad extra token", "child too long", "bad max_new"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "finished parent",
+        "cancelled parent",
+        "unknown parent",
+        "duplicate child",
+        "bad extra token",
+        "child too long",
+        "bad max_new",
+    ],
+)
 def test_bad_fork_leaves_engine_intact(busy, case):
     eng, logits = busy
     parent, child, max_new, extra, exc = {
@@ -228,7 +277,10 @@ def test_engine_still_accepts_work_after_many_refusals(busy):
 
 # -- configuration --------------------------------------------------------------------------
 CONFIG_ERRORS = {
-    "heads not multiple of kv heads": (lambda: ModelConfig(num_heads=6, num_kv_heads=4), "model.num_kv_heads"),
+    "heads not multiple of kv heads": (
+        lambda: ModelConfig(num_heads=6, num_kv_heads=4),
+        "model.num_kv_heads",
+    ),
     "unknown dtype": (lambda: ModelConfig(dtype="float8"), "model.dtype"),
     "odd head_dim": (lambda: ModelConfig(head_dim=15), "model.head_dim"),
     "zero layers": (lambda: ModelConfig(num_layers=0), "model.num_layers"),
@@ -242,11 +294,19 @@ CONFIG_ERRORS = {
     "bad overflow_policy": (lambda: CacheConfig(overflow_policy="grow"), "cache.overflow_policy"),
     "watermark 1": (lambda: CacheConfig(watermark=1.0), "cache.watermark"),
     "negative watermark": (lambda: CacheConfig(watermark=-0.1), "cache.watermark"),
-    "tp not dividing kv heads": (lambda: EngineConfig(model=ModelConfig(num_kv_heads=2), tp_size=3),
-                                 "engine.tp_size"),
+    "tp not dividing kv heads": (
+        lambda: EngineConfig(model=ModelConfig(num_kv_heads=2), tp_size=3),
+        "engine.tp_size",
+    ),
     "zero tp": (lambda: EngineConfig(tp_size=0), "engine.tp_size"),
-    "zero prefill budget": (lambda: EngineConfig(max_prefill_tokens=0), "engine.max_prefill_tokens"),
-    "unknown backend": (lambda: EngineConfig(attention_backend="flash"), "engine.attention_backend"),
+    "zero prefill budget": (
+        lambda: EngineConfig(max_prefill_tokens=0),
+        "engine.max_prefill_tokens",
+    ),
+    "unknown backend": (
+        lambda: EngineConfig(attention_backend="flash"),
+        "engine.attention_backend",
+    ),
     "bad device": (lambda: EngineConfig(device="nonsense"), "engine.device"),
 }
 
@@ -277,8 +337,16 @@ def test_blocks_in_budget():
     assert blocks_in_budget(m, 8, per_block - 1) == 0
     assert blocks_in_budget(m, 16, per_block * 10) == 5
     # a 1 GiB budget of a Llama-7B-shaped cache (32 layers, 32 KV heads, 128 dims, fp16): 512 KiB a token
-    llama = ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-                        intermediate_size=11008, vocab_size=32000, dtype="float16")
+    llama = ModelConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=32000,
+        dtype="float16",
+    )
     assert llama.kv_bytes_per_token() == 512 * 1024
     assert blocks_in_budget(llama, 16, 1 << 30) == 128
 

@@ -6,10 +6,11 @@ engine's own tokens) and must not diverge. Workloads cover staggered arrivals, c
 preemption on a small pool, forks that share blocks (copy-on-write) and cancels in every state.
 Block accounting is checked after every step and, at the end, every block must be free.
 """
+
 from __future__ import annotations
 
-from collections import defaultdict
 import random
+from collections import defaultdict
 
 import pytest
 import torch
@@ -17,23 +18,60 @@ import torch
 from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig, State
 from kvchaos.harness.judge.oracle import Oracle
 
-MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                    intermediate_size=64, vocab_size=97, max_position=256)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    vocab_size=97,
+    max_position=256,
+)
 
 
-def make_engine(num_blocks=64, block_size=4, max_blocks_per_seq=16, max_num_seqs=8, max_prefill_tokens=16,
-                tp_size=1, seed=0, model=MODEL, **cache_kw) -> Engine:
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_blocks_per_seq=max_blocks_per_seq,
-                        max_num_seqs=max_num_seqs, **cache_kw)
-    return Engine(EngineConfig(model=model, cache=cache, seed=seed, attention_backend="torch",
-                               max_prefill_tokens=max_prefill_tokens, tp_size=tp_size))
+def make_engine(
+    num_blocks=64,
+    block_size=4,
+    max_blocks_per_seq=16,
+    max_num_seqs=8,
+    max_prefill_tokens=16,
+    tp_size=1,
+    seed=0,
+    model=MODEL,
+    **cache_kw,
+) -> Engine:
+    cache = CacheConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_blocks_per_seq=max_blocks_per_seq,
+        max_num_seqs=max_num_seqs,
+        **cache_kw,
+    )
+    return Engine(
+        EngineConfig(
+            model=model,
+            cache=cache,
+            seed=seed,
+            attention_backend="torch",
+            max_prefill_tokens=max_prefill_tokens,
+            tp_size=tp_size,
+        )
+    )
 
 
 def make_workload(seed: int, n: int, prompt=(1, 24), out=(1, 10), span=20, vocab=MODEL.vocab_size):
     """[(arrival step, id, prompt, max_new_tokens)], sorted by arrival."""
     rng = random.Random(seed)
-    reqs = [(rng.randrange(span), f"r{i}", [rng.randrange(vocab) for _ in range(rng.randint(*prompt))],
-             rng.randint(*out)) for i in range(n)]
+    reqs = [
+        (
+            rng.randrange(span),
+            f"r{i}",
+            [rng.randrange(vocab) for _ in range(rng.randint(*prompt))],
+            rng.randint(*out),
+        )
+        for i in range(n)
+    ]
     return sorted(reqs, key=lambda r: r[0])
 
 
@@ -58,10 +96,12 @@ def check_accounting(engine: Engine) -> None:
             assert len(snap.seq_blocks[s.id]) == -(-s.num_computed // bs)
             r = snap.seq_rows[s.id]
             bl = snap.seq_blocks[s.id]
-            assert snap.table[r * w:(r + 1) * w] == bl + [-1] * (w - len(bl))
+            assert snap.table[r * w : (r + 1) * w] == bl + [-1] * (w - len(bl))
         else:
             assert s.num_computed == 0 or s.state is not State.RUNNING
-    assert {s.id for s in engine.waiting} | running == {s.id for s in engine.seqs.values() if not s.done}
+    assert {s.id for s in engine.waiting} | running == {
+        s.id for s in engine.seqs.values() if not s.done
+    }
     assert not ({s.id for s in engine.waiting} & running)
 
 
@@ -69,7 +109,12 @@ class Driver:
     """Submits a workload on schedule, steps the engine, records every logit row per request."""
 
     def __init__(self, engine: Engine, workload, hook=None, max_steps=2000) -> None:
-        self.engine, self.workload, self.hook, self.max_steps = engine, list(workload), hook, max_steps
+        self.engine, self.workload, self.hook, self.max_steps = (
+            engine,
+            list(workload),
+            hook,
+            max_steps,
+        )
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.steps = 0
 
@@ -152,48 +197,63 @@ def test_preemption_on_small_pool_matches_oracle():
 
 def fork_hook(plan):
     """plan: {step: [(parent, child, max_new, extra_tokens)]}; forks a parent that is still live."""
+
     def hook(driver: Driver, t: int) -> None:
         eng = driver.engine
         for parent, child, max_new, extra in plan.get(t, []):
             p = eng.seqs.get(parent)
             if p is not None and not p.done:
                 eng.fork(parent, child, max_new, extra)
+
     return hook
 
 
 def test_forks_share_prefix_and_copy_on_write():
     eng = make_engine(num_blocks=64, block_size=4, max_prefill_tokens=16)
-    work = [(0, "a", [5, 6, 7, 8, 9, 10, 11], 12), (0, "b", list(range(20, 33)), 10), (2, "c", [1, 2, 3], 8)]
-    plan = {3: [("a", "a.1", 6, []), ("a", "a.2", 5, [40, 41])],
-            5: [("b", "b.1", 7, [3]), ("a.1", "a.1.1", 4, [])],
-            6: [("c", "c.1", 3, [9, 9, 9, 9, 9])]}
+    work = [
+        (0, "a", [5, 6, 7, 8, 9, 10, 11], 12),
+        (0, "b", list(range(20, 33)), 10),
+        (2, "c", [1, 2, 3], 8),
+    ]
+    plan = {
+        3: [("a", "a.1", 6, []), ("a", "a.2", 5, [40, 41])],
+        5: [("b", "b.1", 7, [3]), ("a.1", "a.1.1", 4, [])],
+        6: [("c", "c.1", 3, [9, 9, 9, 9, 9])],
+    }
     d = Driver(eng, work, hook=fork_hook(plan)).run()
     assert {"a.1", "a.2", "b.1", "a.1.1", "c.1"} <= set(eng.seqs)
     assert eng.counters["cow_copies"] > 0
     # a child is its parent's tokens at the fork (plus extra), then its own continuation
     a, a2 = eng.seqs["a"], eng.seqs["a.2"]
     n = a2.prompt_len - 2
-    assert a2.tokens[:n] == a.tokens[:n] and a2.tokens[n:n + 2] == [40, 41]
+    assert a2.tokens[:n] == a.tokens[:n] and a2.tokens[n : n + 2] == [40, 41]
     d.check_oracle()
     assert_all_free(eng)
 
 
 def test_fork_of_waiting_and_preempted_parent():
     # Parents that hold no blocks: the child queues with the parent's tokens and prefills them itself.
-    eng = make_engine(num_blocks=10, block_size=4, max_blocks_per_seq=10, max_num_seqs=3, max_prefill_tokens=8)
+    eng = make_engine(
+        num_blocks=10, block_size=4, max_blocks_per_seq=10, max_num_seqs=3, max_prefill_tokens=8
+    )
     work = make_workload(11, 8, prompt=(6, 14), out=(6, 12), span=2)
     forked = {State.WAITING: [], State.PREEMPTED: []}
 
     def hook(driver, t):
         for s in list(eng.seqs.values()):
-            if s.state in forked and s.parent is None and len(forked[s.state]) < 2 \
-                    and all(f"{s.id}.f" != c for cs in forked.values() for c in cs):
+            if (
+                s.state in forked
+                and s.parent is None
+                and len(forked[s.state]) < 2
+                and all(f"{s.id}.f" != c for cs in forked.values() for c in cs)
+            ):
                 child = f"{s.id}.f"
                 eng.fork(s.id, child, 3, [1])
                 forked[s.state].append(child)
                 c = eng.seqs[child]
                 assert c.state is State.WAITING and child not in eng.bm.blocks
                 assert c.tokens == s.tokens + [1] and c.prompt_len == len(s.tokens) + 1
+
     d = Driver(eng, work, hook=hook).run()
     assert forked[State.WAITING] and forked[State.PREEMPTED], forked
     d.check_oracle()
@@ -206,13 +266,16 @@ PHASES = ("waiting", "prefill", "decode", "preempted", "fork-shared", "parent-sh
 def cancel_everywhere_hook(rng: random.Random, cancelled: dict, forks: list):
     """Cancels, with probability, one request in each phase of its life not yet covered; forks some
     running requests so that cancels also hit sequences sharing blocks (child and parent side)."""
+
     def phase_of(eng: Engine, s) -> str:
         bm = eng.bm
         if s.state is State.RUNNING and s.id in bm.blocks:
             mine = set(bm.blocks[s.id])
             if s.parent is not None and mine & set(bm.blocks.get(s.parent, ())):
                 return "fork-shared"
-            if any(c.parent == s.id and mine & set(bm.blocks.get(c.id, ())) for c in eng.seqs.values()):
+            if any(
+                c.parent == s.id and mine & set(bm.blocks.get(c.id, ())) for c in eng.seqs.values()
+            ):
                 return "parent-shared"
         return s.phase
 
@@ -224,7 +287,12 @@ def cancel_everywhere_hook(rng: random.Random, cancelled: dict, forks: list):
             if cands:
                 p = rng.choice(cands)
                 child = f"{p.id}.{t}"
-                eng.fork(p.id, child, rng.randint(2, 6), [rng.randrange(MODEL.vocab_size)] * rng.randint(0, 3))
+                eng.fork(
+                    p.id,
+                    child,
+                    rng.randint(2, 6),
+                    [rng.randrange(MODEL.vocab_size)] * rng.randint(0, 3),
+                )
                 forks.append(child)
                 return  # let the fork share blocks for at least one step
         for s in live:
@@ -241,16 +309,26 @@ def cancel_everywhere_hook(rng: random.Random, cancelled: dict, forks: list):
                     assert len(alone) < len(held), "shared blocks must stay with the other side"
                 check_accounting(eng)
                 cancelled[ph] = s.id
+
     return hook
 
 
 def run_cancel_workload(seed: int):
-    eng = make_engine(num_blocks=16, block_size=4, max_blocks_per_seq=10, max_num_seqs=6, max_prefill_tokens=6,
-                      seed=seed)
+    eng = make_engine(
+        num_blocks=16,
+        block_size=4,
+        max_blocks_per_seq=10,
+        max_num_seqs=6,
+        max_prefill_tokens=6,
+        seed=seed,
+    )
     rng = random.Random(1000 + seed)
     cancelled, forks = {}, []
-    d = Driver(eng, make_workload(seed, 24, prompt=(3, 16), out=(4, 14), span=40),
-               hook=cancel_everywhere_hook(rng, cancelled, forks)).run()
+    d = Driver(
+        eng,
+        make_workload(seed, 24, prompt=(3, 16), out=(4, 14), span=40),
+        hook=cancel_everywhere_hook(rng, cancelled, forks),
+    ).run()
     return eng, d, cancelled, forks
 
 
@@ -274,11 +352,18 @@ def test_mixed_random_configs(seed):
     bs = rng.randint(1, 5)
     max_tokens = 20 + 10 + 3 + 4  # prompt + output, and a fork's extra tokens + output
     req_blocks = -(-max_tokens // bs)
-    eng = make_engine(num_blocks=rng.randint(req_blocks, 3 * req_blocks), block_size=bs,
-                      max_blocks_per_seq=req_blocks, max_num_seqs=rng.randint(2, 6),
-                      max_prefill_tokens=rng.choice([1, 2, 3, 7, 12, 32]), seed=seed,
-                      watermark=rng.choice([0.0, 0.0, 0.1]))
-    work = make_workload(seed, rng.randint(6, 14), prompt=(1, 20), out=(1, 10), span=rng.randint(1, 30))
+    eng = make_engine(
+        num_blocks=rng.randint(req_blocks, 3 * req_blocks),
+        block_size=bs,
+        max_blocks_per_seq=req_blocks,
+        max_num_seqs=rng.randint(2, 6),
+        max_prefill_tokens=rng.choice([1, 2, 3, 7, 12, 32]),
+        seed=seed,
+        watermark=rng.choice([0.0, 0.0, 0.1]),
+    )
+    work = make_workload(
+        seed, rng.randint(6, 14), prompt=(1, 20), out=(1, 10), span=rng.randint(1, 30)
+    )
 
     def hook(driver, t):
         for s in [s for s in eng.seqs.values() if not s.done]:
@@ -286,18 +371,34 @@ def test_mixed_random_configs(seed):
             if r < 0.04:
                 assert eng.cancel(s.id) is True
             elif r < 0.08 and s.parent is None:
-                eng.fork(s.id, f"{s.id}.{t}", rng.randint(1, 4), [rng.randrange(MODEL.vocab_size)] * rng.randint(0, 3))
+                eng.fork(
+                    s.id,
+                    f"{s.id}.{t}",
+                    rng.randint(1, 4),
+                    [rng.randrange(MODEL.vocab_size)] * rng.randint(0, 3),
+                )
+
     d = Driver(eng, work, hook=hook).run()
     d.check_oracle()
     assert_all_free(eng)
 
 
 def run_for_determinism(seed: int, tp_size: int = 1):
-    eng = make_engine(num_blocks=16, block_size=4, max_blocks_per_seq=10, max_num_seqs=6, max_prefill_tokens=6,
-                      seed=seed, tp_size=tp_size)
+    eng = make_engine(
+        num_blocks=16,
+        block_size=4,
+        max_blocks_per_seq=10,
+        max_num_seqs=6,
+        max_prefill_tokens=6,
+        seed=seed,
+        tp_size=tp_size,
+    )
     rng = random.Random(seed)
-    d = Driver(eng, make_workload(seed, 16, prompt=(3, 16), out=(4, 14), span=30),
-               hook=cancel_everywhere_hook(rng, {}, [])).run()
+    d = Driver(
+        eng,
+        make_workload(seed, 16, prompt=(3, 16), out=(4, 14), span=30),
+        hook=cancel_everywhere_hook(rng, {}, []),
+    ).run()
     return eng, d
 
 
@@ -306,7 +407,9 @@ def test_same_seed_same_run_bit_for_bit():
     e2, d2 = run_for_determinism(5)
     assert e1.counters == e2.counters and e1.counters["preemptions"] > 0
     assert d1.steps == d2.steps
-    assert {k: (s.tokens, s.state) for k, s in e1.seqs.items()} == {k: (s.tokens, s.state) for k, s in e2.seqs.items()}
+    assert {k: (s.tokens, s.state) for k, s in e1.seqs.items()} == {
+        k: (s.tokens, s.state) for k, s in e2.seqs.items()
+    }
     assert d1.logits.keys() == d2.logits.keys()
     for rid in d1.logits:
         assert torch.equal(torch.stack(d1.logits[rid]), torch.stack(d2.logits[rid])), rid
@@ -321,7 +424,9 @@ def test_tensor_parallel_ranks_match_single_rank():
     assert len(e2.ranks.ranks) == 2 and e2.counters["stale_rank_computes"] == 0
     assert {k: s.tokens for k, s in e1.seqs.items()} == {k: s.tokens for k, s in e2.seqs.items()}
     for rid in d1.logits:
-        torch.testing.assert_close(torch.stack(d2.logits[rid]), torch.stack(d1.logits[rid]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.stack(d2.logits[rid]), torch.stack(d1.logits[rid]), atol=1e-5, rtol=1e-5
+        )
     d2.check_oracle()
     assert_all_free(e2)
 
@@ -332,8 +437,11 @@ def test_batched_oracle_checks_equal_one_by_one_and_pinpoint_a_corrupt_row():
     request must not leak into another."""
     eng = Driver(make_engine(), make_workload(11, 9, prompt=(1, 30), out=(1, 12))).run()
     oracle = Oracle(eng.engine.model)
-    items = [(s.id, s.tokens, s.prompt_len, torch.stack(eng.logits[s.id])) for s in eng.engine.seqs.values()
-             if eng.logits.get(s.id)]
+    items = [
+        (s.id, s.tokens, s.prompt_len, torch.stack(eng.logits[s.id]))
+        for s in eng.engine.seqs.values()
+        if eng.logits.get(s.id)
+    ]
     lens = {len(it[1]) for it in items}
     assert len(items) >= 6 and len(lens) >= 4  # several lengths: several padded groups
     alone = [oracle.check(*it) for it in items]

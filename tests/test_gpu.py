@@ -4,6 +4,7 @@ on a machine without CUDA and says so. Where the GPU code can run on the CPU it 
 engine's Triton backend against the oracle through the Triton interpreter (in a subprocess, since
 TRITON_INTERPRET is read when the kernels are defined).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,12 +26,26 @@ from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig  # noq
 from kvchaos.harness.judge.oracle import Oracle  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
-MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                    vocab_size=97, max_position=512)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=97,
+    max_position=512,
+)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-needs_cuda = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
-              pytest.mark.skipif(INTERPRETING, reason="TRITON_INTERPRET is set: these tests are for the compiled path")]
+needs_cuda = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+    ),
+    pytest.mark.skipif(
+        INTERPRETING, reason="TRITON_INTERPRET is set: these tests are for the compiled path"
+    ),
+]
 
 
 def gpu(fn):
@@ -39,17 +54,35 @@ def gpu(fn):
     return fn
 
 
-def engine_vs_oracle(device: str, dtype: str, backend: str = "auto", num_requests: int = 6, max_new=(4, 12),
-                     seed: int = 0) -> dict:
+def engine_vs_oracle(
+    device: str,
+    dtype: str,
+    backend: str = "auto",
+    num_requests: int = 6,
+    max_new=(4, 12),
+    seed: int = 0,
+) -> dict:
     """Staggered requests (prompts across block boundaries, chunked prefill) through the engine;
     every request's logits checked against the contiguous-cache oracle."""
-    cfg = EngineConfig(model=dataclasses.replace(MODEL, dtype=dtype), device=device, attention_backend=backend,
-                       cache=CacheConfig(block_size=16, num_blocks=64, max_blocks_per_seq=8, max_num_seqs=8),
-                       max_prefill_tokens=48, seed=seed)
+    cfg = EngineConfig(
+        model=dataclasses.replace(MODEL, dtype=dtype),
+        device=device,
+        attention_backend=backend,
+        cache=CacheConfig(block_size=16, num_blocks=64, max_blocks_per_seq=8, max_num_seqs=8),
+        max_prefill_tokens=48,
+        seed=seed,
+    )
     eng = Engine(cfg)
     rng = random.Random(seed)
-    reqs = sorted((rng.randrange(6), f"r{i}", [rng.randrange(MODEL.vocab_size) for _ in range(rng.randint(1, 40))],
-                   rng.randint(*max_new)) for i in range(num_requests))
+    reqs = sorted(
+        (
+            rng.randrange(6),
+            f"r{i}",
+            [rng.randrange(MODEL.vocab_size) for _ in range(rng.randint(1, 40))],
+            rng.randint(*max_new),
+        )
+        for i in range(num_requests)
+    )
     logits: dict[str, list[torch.Tensor]] = {}
     step = 0
     while reqs or eng.has_unfinished():
@@ -60,25 +93,43 @@ def engine_vs_oracle(device: str, dtype: str, backend: str = "auto", num_request
             logits.setdefault(rid, []).append(row)
         step += 1
     oracle = Oracle(eng.model)
-    results = [oracle.check(rid, eng.seqs[rid].tokens, eng.seqs[rid].prompt_len, torch.stack(rows))
-               for rid, rows in logits.items()]
-    return {"backend": eng.decode_attention.__name__, "requests": len(results),
-            "tokens": sum(r.checked for r in results), "max_abs_err": max(r.max_abs_err for r in results),
-            "diverged": [r.request for r in results if r.diverged]}
+    results = [
+        oracle.check(rid, eng.seqs[rid].tokens, eng.seqs[rid].prompt_len, torch.stack(rows))
+        for rid, rows in logits.items()
+    ]
+    return {
+        "backend": eng.decode_attention.__name__,
+        "requests": len(results),
+        "tokens": sum(r.checked for r in results),
+        "max_abs_err": max(r.max_abs_err for r in results),
+        "diverged": [r.request for r in results if r.diverged],
+    }
 
 
 def _check(r: dict, num_requests: int = 6) -> None:
     assert r["backend"] == "paged_decode_triton"
     assert r["requests"] == num_requests and r["tokens"] >= 2 * num_requests
-    assert r["diverged"] == [], f"diverged from the oracle: {r['diverged']} (max abs err {r['max_abs_err']:.3g})"
+    assert r["diverged"] == [], (
+        f"diverged from the oracle: {r['diverged']} (max abs err {r['max_abs_err']:.3g})"
+    )
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KVCHAOS_CPU_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "KVCHAOS_CPU_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -136,7 +187,9 @@ def test_invalidated_staging_is_pageable_cuda():
 
 
 @gpu
-@pytest.mark.parametrize("name,expect_realloc", [("staging-stall-detect", False), ("staging-stall-clean", True)])
+@pytest.mark.parametrize(
+    "name,expect_realloc", [("staging-stall-detect", False), ("staging-stall-clean", True)]
+)
 def test_staging_stall_scenario_cuda(tmp_path, name, expect_realloc):
     pytest.importorskip("pydantic", reason="scenario files need pydantic")
     from kvchaos.harness.judge.history import read_history
@@ -165,8 +218,16 @@ def test_nvml_telemetry_has_gpu_fields():
     torch.ones(1, device="cuda")
     s = tel.sample()
     assert s["gpu_mem_used_mb"] > 0 and s["rss_mb"] > 0
-    ranges = {"gpu_util_pct": (0, 100), "sm_clock_mhz": (1, 10_000), "temp_c": (1, 119), "power_w": (0, 2000)}
-    for name, (lo, hi) in ranges.items():  # a board (or a sandbox) may not report some: named, not faked
+    ranges = {
+        "gpu_util_pct": (0, 100),
+        "sm_clock_mhz": (1, 10_000),
+        "temp_c": (1, 119),
+        "power_w": (0, 2000),
+    }
+    for name, (
+        lo,
+        hi,
+    ) in ranges.items():  # a board (or a sandbox) may not report some: named, not faked
         assert name in tel.unsupported or lo <= s[name] <= hi, (name, s.get(name))
     assert "torch_alloc_mb" in s and tel.status()["gpu"]
 
@@ -194,5 +255,11 @@ def test_staging_measure_cuda():
 
 if __name__ == "__main__":  # the interpreter run behind `interpreted`
     torch.set_num_threads(1)
-    print(json.dumps({dt: engine_vs_oracle("cpu", dt, backend="triton", num_requests=3, max_new=(2, 5))
-                      for dt in DTYPES}))
+    print(
+        json.dumps(
+            {
+                dt: engine_vs_oracle("cpu", dt, backend="triton", num_requests=3, max_new=(2, 5))
+                for dt in DTYPES
+            }
+        )
+    )

@@ -2,6 +2,7 @@
 item per scenario x seed with markers; failures say verdict, evidence and how to replay; JUnit
 XML carries seed and scenario; bad files are collection errors naming the key; the fixtures and
 --kvchaos-block-manager reach the run."""
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,11 @@ class Leaky(BlockManager):
 
 
 def scenario(name: str, body: str = "", tags=(), seeds=(0,)) -> str:
-    return (f'[scenario]\nname = "{name}"\ntags = {json.dumps(list(tags))}\nseeds = {json.dumps(list(seeds))}\n'
-            + SMALL + body)
+    return (
+        f'[scenario]\nname = "{name}"\ntags = {json.dumps(list(tags))}\nseeds = {json.dumps(list(seeds))}\n'
+        + SMALL
+        + body
+    )
 
 
 @pytest.fixture
@@ -65,7 +69,9 @@ def suite(pytester):
     (d / "leak.toml").write_text(scenario("leak", LEAK_DETECT, tags=["nightly"], seeds=[0, 1]))
     (d / "leak-soak.toml").write_text(scenario("leak-soak", LEAK_DETECT, tags=["soak"]))
     # seeds 1 and 2 of this one cancel a forked request while it shares its parent's blocks
-    (d / "clean.toml").write_text(scenario("clean", '[workload.cancel]\nphases = ["shared", "decode"]\n', seeds=[1]))
+    (d / "clean.toml").write_text(
+        scenario("clean", '[workload.cancel]\nphases = ["shared", "decode"]\n', seeds=[1])
+    )
     (d / "notes.toml").write_text('title = "not a scenario: no [scenario] table"\n')
     return pytester
 
@@ -90,19 +96,32 @@ def test_folder_collected_per_scenario_and_seed_with_markers(suite):
 
 
 def test_marker_expression_selects(suite):
-    assert collected(suite, "my_scenarios", "-m", "fault_refcount_leak and not soak") == ["leak[seed=0]",
-                                                                                         "leak[seed=1]"]
+    assert collected(suite, "my_scenarios", "-m", "fault_refcount_leak and not soak") == [
+        "leak[seed=0]",
+        "leak[seed=1]",
+    ]
     assert collected(suite, "my_scenarios", "-m", "soak") == ["leak-soak[seed=0]"]
-    assert collected(suite, "my_scenarios", "-m", "scenario and not fault_refcount_leak") == ["clean[seed=1]"]
+    assert collected(suite, "my_scenarios", "-m", "scenario and not fault_refcount_leak") == [
+        "clean[seed=1]"
+    ]
 
 
 def test_scenario_tags_are_declared_markers_under_strict_markers(suite):
-    assert collected(suite, "my_scenarios", "--strict-markers", "-W", "error::pytest.PytestUnknownMarkWarning",
-                     "-m", "nightly") == ["leak[seed=0]", "leak[seed=1]"]
+    assert collected(
+        suite,
+        "my_scenarios",
+        "--strict-markers",
+        "-W",
+        "error::pytest.PytestUnknownMarkWarning",
+        "-m",
+        "nightly",
+    ) == ["leak[seed=0]", "leak[seed=1]"]
 
 
-@pytest.mark.parametrize("seeds, expected", [("2", ["leak[seed=0]", "leak[seed=1]"]),
-                                             ("3,7", ["leak[seed=3]", "leak[seed=7]"])])
+@pytest.mark.parametrize(
+    "seeds, expected",
+    [("2", ["leak[seed=0]", "leak[seed=1]"]), ("3,7", ["leak[seed=3]", "leak[seed=7]"])],
+)
 def test_kvchaos_seeds(suite, seeds, expected):
     items, _ = suite.inline_genitems("my_scenarios/leak.toml", "--kvchaos-seeds", seeds)
     assert names(items) == expected
@@ -117,7 +136,9 @@ def test_runs_pass_and_reports_land_in_the_report_dir(suite):
     # the index is built once, at the session's end, and lists every run; latest is the newest
     index = json.loads((report / "index.json").read_text())
     assert sorted(index) == sorted(d.name for d in dirs)
-    assert (report / "index.html").is_file() and (report / "latest").resolve() in {d.resolve() for d in dirs}
+    assert (report / "index.html").is_file() and (report / "latest").resolve() in {
+        d.resolve() for d in dirs
+    }
 
 
 def test_failing_item_says_verdict_evidence_and_replay_and_junit_has_properties(suite):
@@ -139,7 +160,9 @@ def test_failing_item_says_verdict_evidence_and_replay_and_junit_has_properties(
 
 
 def test_malformed_scenario_file_is_a_collection_error_naming_the_key(suite):
-    (suite.path / "my_scenarios" / "broken.toml").write_text(scenario("broken", "[expect]\noutcomes = 'clean'\n"))
+    (suite.path / "my_scenarios" / "broken.toml").write_text(
+        scenario("broken", "[expect]\noutcomes = 'clean'\n")
+    )
     res = suite.runpytest("my_scenarios", "--collect-only")
     res.assert_outcomes(errors=1)
     out = res.stdout.str()
@@ -149,14 +172,19 @@ def test_malformed_scenario_file_is_a_collection_error_naming_the_key(suite):
 
 def test_scenario_file_with_bad_toml_is_reported_not_skipped(suite):
     # a second [run] table: not TOML at all, in a folder not named "scenarios"
-    (suite.path / "my_scenarios" / "typo.toml").write_text(scenario("typo", "[run]\nmax_steps = 5\n"))
+    (suite.path / "my_scenarios" / "typo.toml").write_text(
+        scenario("typo", "[run]\nmax_steps = 5\n")
+    )
     res = suite.runpytest("my_scenarios", "--collect-only", "-q")
-    res.assert_outcomes(errors=1)  # typo.toml; notes.toml, valid TOML with no [scenario], is simply not a scenario
+    res.assert_outcomes(
+        errors=1
+    )  # typo.toml; notes.toml, valid TOML with no [scenario], is simply not a scenario
     assert "typo.toml: not valid TOML" in res.stdout.str() and "notes.toml" not in res.stdout.str()
 
 
 def test_kvchaos_run_and_engine_fixtures_in_a_user_test(pytester):
-    pytester.makepyfile(test_mine="""
+    pytester.makepyfile(
+        test_mine="""
         from kvchaos.engine.config import CacheConfig, EngineConfig
 
         def test_my_scenario(kvchaos_run):
@@ -171,28 +199,45 @@ def test_kvchaos_run_and_engine_fixtures_in_a_user_test(pytester):
             while eng.has_unfinished():
                 eng.step()
             assert eng.seqs["a"].num_generated == 2 and eng.bm.num_free_blocks == 16
-    """)
+    """
+    )
     pytester.runpytest().assert_outcomes(passed=2)
 
 
 def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
     suite.makepyfile(leaky_bm=LEAKY_BM)
     suite.syspathinsert()
-    suite.makepyfile(test_bm="""
+    suite.makepyfile(
+        test_bm="""
         from kvchaos.engine.config import EngineConfig
 
         def test_engine_uses_it(kvchaos_engine):
             assert type(kvchaos_engine(EngineConfig()).bm).__name__ == "Leaky"
-    """)
+    """
+    )
     report = suite.path / "reports"
-    res = suite.runpytest("my_scenarios/clean.toml", "test_bm.py", "--kvchaos-block-manager", "leaky_bm:Leaky",
-                          "--kvchaos-report-dir", str(report))
-    res.assert_outcomes(passed=1, failed=1)  # the scenario that passes on the reference block manager fails
+    res = suite.runpytest(
+        "my_scenarios/clean.toml",
+        "test_bm.py",
+        "--kvchaos-block-manager",
+        "leaky_bm:Leaky",
+        "--kvchaos-report-dir",
+        str(report),
+    )
+    res.assert_outcomes(
+        passed=1, failed=1
+    )  # the scenario that passes on the reference block manager fails
     out = res.stdout.str()
     assert "FALSE_ALARM: block_accounting fired with nothing planted" in out
-    assert "--block-manager leaky_bm:Leaky" in out  # the replay line runs it under the same block manager
+    assert (
+        "--block-manager leaky_bm:Leaky" in out
+    )  # the replay line runs it under the same block manager
     (run,) = [p for p in report.iterdir() if p.is_dir() and not p.is_symlink()]
-    start = next(json.loads(x) for x in (run / "history.jsonl").read_text().splitlines() if '"run_start"' in x)
+    start = next(
+        json.loads(x)
+        for x in (run / "history.jsonl").read_text().splitlines()
+        if '"run_start"' in x
+    )
     assert start["block_manager"] == "leaky_bm:Leaky"
     suite.runpytest("my_scenarios/clean.toml").assert_outcomes(passed=1)
 

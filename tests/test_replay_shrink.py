@@ -2,24 +2,26 @@
 perturbed history is reported as different at the perturbed event, and shrinking the planted
 table-overflow run gives a far smaller scenario whose emitted pytest file passes. Plus the TOML
 writer that both depend on."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kvchaos.harness.cli import main as cli_main
-from kvchaos.harness.tools.replay import replay
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
-from kvchaos.harness.tools.shrink import add_arguments as shrink_arguments, main as shrink_main
-from kvchaos.harness.tools.soak import fingerprints, generate_scenario
 from kvchaos.harness.judge.toml_writer import dumps
+from kvchaos.harness.tools.replay import replay
+from kvchaos.harness.tools.shrink import add_arguments as shrink_arguments
+from kvchaos.harness.tools.shrink import main as shrink_main
+from kvchaos.harness.tools.soak import fingerprints, generate_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,8 +49,13 @@ def test_toml_writer_round_trips_every_builtin_scenario_and_soak_scenarios():
     for seed in range(50):
         data = generate_scenario(seed)
         assert tomllib.loads(dumps(data)) == data
-    odd = {"a": 1.5e-7, "s": 'q"\\\n\x7f\u00e9\U0001F600', "k y": {"n": [1, 2.5, True], "t": {"u": False}},
-           "big": {str(i): i for i in range(6)}, "list": [{"x": 1}, {"x": 2}]}
+    odd = {
+        "a": 1.5e-7,
+        "s": 'q"\\\n\x7f\u00e9\U0001f600',
+        "k y": {"n": [1, 2.5, True], "t": {"u": False}},
+        "big": {str(i): i for i in range(6)},
+        "list": [{"x": 1}, {"x": 2}],
+    }
     assert tomllib.loads(dumps(odd)) == odd
     with pytest.raises(ValueError, match="workload.cancel.storm_step: TOML has no null"):
         dumps({"workload": {"cancel": {"storm_step": None}}})
@@ -57,7 +64,9 @@ def test_toml_writer_round_trips_every_builtin_scenario_and_soak_scenarios():
 def test_replay_of_a_stored_cpu_run_is_identical(run_dir, capsys):
     out = replay(run_dir)
     assert out["identical"] and out["history_compared"]
-    assert out["replay_digest"] == json.loads((run_dir / "results.json").read_text())["history_digest"]
+    assert (
+        out["replay_digest"] == json.loads((run_dir / "results.json").read_text())["history_digest"]
+    )
     assert cli_main(["replay", str(run_dir)]) == 0
     assert capsys.readouterr().out.startswith("identical: table-overflow-detect seed 0 on cpu")
 
@@ -71,7 +80,11 @@ def test_replay_reads_scenario_json_when_there_is_no_toml(run_dir):
 
 def test_a_perturbed_history_is_reported_as_different(run_dir, capsys):
     lines = (run_dir / "history.jsonl").read_text().splitlines()
-    at = next(i for i, line in enumerate(lines) if json.loads(line)["e"] == "step" and json.loads(line)["tokens"])
+    at = next(
+        i
+        for i, line in enumerate(lines)
+        if json.loads(line)["e"] == "step" and json.loads(line)["tokens"]
+    )
     ev = json.loads(lines[at])
     req = sorted(ev["tokens"])[0]
     ev["tokens"][req] = (ev["tokens"][req] + 1) % 256
@@ -85,7 +98,10 @@ def test_a_perturbed_history_is_reported_as_different(run_dir, capsys):
     assert d["recorded"]["tokens"][req] != d["replayed"]["tokens"][req]
     assert cli_main(["replay", str(run_dir)]) == 1
     text = capsys.readouterr().out
-    assert text.startswith("DIFFERENT") and f"first differing event: #{at} (step at step {ev['step']})" in text
+    assert (
+        text.startswith("DIFFERENT")
+        and f"first differing event: #{at} (step at step {ev['step']})" in text
+    )
 
 
 def test_a_different_recorded_digest_without_history_is_different(run_dir):
@@ -99,7 +115,10 @@ def test_a_different_recorded_digest_without_history_is_different(run_dir):
 
 def test_replay_and_shrink_refuse_what_is_not_a_run_folder(tmp_path, capsys):
     assert cli_main(["replay", str(tmp_path / "nope")]) == 2
-    assert capsys.readouterr().err.strip() == f"kvchaos: error: {tmp_path / 'nope'}: no such run folder"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"kvchaos: error: {tmp_path / 'nope'}: no such run folder"
+    )
     (tmp_path / "results.json").write_text(json.dumps({"seed": 0, "device": "cpu"}))
     assert cli_main(["shrink", str(tmp_path)]) == 2
     assert "neither scenario.toml nor scenario.json" in capsys.readouterr().err
@@ -122,10 +141,14 @@ def test_shrink_refuses_a_run_that_does_not_reproduce(run_dir, capsys):
 
 def test_shrinking_the_planted_table_overflow_keeps_the_detection(run_dir, capsys):
     original = json.loads((run_dir / "results.json").read_text())
-    target = fingerprints(original, tomllib.loads((run_dir / "scenario.toml").read_text())["faults"])[0]["fp"]
+    target = fingerprints(
+        original, tomllib.loads((run_dir / "scenario.toml").read_text())["faults"]
+    )[0]["fp"]
     assert _shrink(run_dir, "--max-runs", "120") == 0
     printed = capsys.readouterr().out
-    assert f"before: {original['metrics']['requests']} requests, {original['steps']} steps" in printed
+    assert (
+        f"before: {original['metrics']['requests']} requests, {original['steps']} steps" in printed
+    )
     res = json.loads((run_dir / "results.json").read_text())
     m = res["minimal_reproducer"]
     before, after = m["before"], m["after"]
@@ -137,13 +160,24 @@ def test_shrinking_the_planted_table_overflow_keeps_the_detection(run_dir, capsy
     assert sc.scenario.seeds == [0] and sc.expect.outcome == "detect"
     r = run_scenario(sc, 0, "cpu", None)
     assert r.verdict == "PASS"
-    assert (r.results["steps"], r.results["metrics"]["requests"]) == (after["steps"], after["requests"])
-    assert fingerprints(r.results, tomllib.loads(scenario_path.read_text())["faults"])[0]["fp"] == target
+    assert (r.results["steps"], r.results["metrics"]["requests"]) == (
+        after["steps"],
+        after["requests"],
+    )
+    assert (
+        fingerprints(r.results, tomllib.loads(scenario_path.read_text())["faults"])[0]["fp"]
+        == target
+    )
     # the incident report points at the reproducer
     if res.get("incidents"):
         assert str(scenario_path) in (run_dir / res["incidents"][0]["file"]).read_text()
     # and the emitted regression test passes under pytest, asserting the detection
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr
     assert "table_integrity" in test_path.read_text()

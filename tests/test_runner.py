@@ -1,5 +1,6 @@
 """The runner: one seed gives one history, bit for bit; an engine exception or Ctrl-C becomes an
 ERROR with what was recorded kept; the run folder; running under a user's own BlockManager."""
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,16 @@ def tiny(tmp_path):
 
 
 def strip(ev):
-    return {k: strip(v) if isinstance(v, dict) else v for k, v in ev.items() if k not in UNSTABLE_KEYS}
+    return {
+        k: strip(v) if isinstance(v, dict) else v for k, v in ev.items() if k not in UNSTABLE_KEYS
+    }
 
 
 def stable_lines(path: Path) -> list[str]:
-    return [json.dumps(strip(json.loads(line)), sort_keys=True) for line in path.read_text().splitlines()]
+    return [
+        json.dumps(strip(json.loads(line)), sort_keys=True)
+        for line in path.read_text().splitlines()
+    ]
 
 
 def results_of(r) -> dict:
@@ -98,7 +104,9 @@ def _fail_before_step(monkeypatch, at: int, exc: BaseException):
     monkeypatch.setattr(Engine, "step", step)
 
 
-def test_engine_exception_becomes_error_with_traceback_and_the_history_kept(tiny, tmp_path, monkeypatch):
+def test_engine_exception_becomes_error_with_traceback_and_the_history_kept(
+    tiny, tmp_path, monkeypatch
+):
     _fail_before_step(monkeypatch, 5, RuntimeError("injected failure at step 5"))
     r = run_scenario(tiny, 0, report_dir=tmp_path)
     assert r.verdict == "ERROR" and "RuntimeError: injected failure at step 5" in r.summary
@@ -130,7 +138,9 @@ def test_exception_inside_a_step_after_blocks_were_reserved(tiny, tmp_path, monk
     events = read_history(r.run_dir / "history.jsonl")
     failing = next(e["step"] for e in events if e["e"] == "error")
     assert failing == calls[-1] >= 5
-    assert steps_in(r.run_dir) == list(range(1, failing))  # every step before the failing one, none after
+    assert steps_in(r.run_dir) == list(
+        range(1, failing)
+    )  # every step before the failing one, none after
 
 
 def test_ctrl_c_keeps_what_was_recorded(tiny, tmp_path, monkeypatch):
@@ -142,13 +152,17 @@ def test_ctrl_c_keeps_what_was_recorded(tiny, tmp_path, monkeypatch):
     assert read_history(r.run_dir / "history.jsonl")[-1]["reason"] == "interrupted"
 
 
-def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end_breaks(tiny, tmp_path, monkeypatch):
+def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end_breaks(
+    tiny, tmp_path, monkeypatch
+):
     """The oracle checks requests in batches; a failure at the run's end (here the final snapshot)
     must not take the queued checks with it, and Ctrl-C while checking still leaves the record."""
     from kvchaos.harness.judge.runner import _Run
 
     clean = run_scenario(tiny, 0, report_dir=tmp_path / "clean")
-    checked = {e["req"] for e in read_history(clean.run_dir / "history.jsonl") if e["e"] == "oracle"}
+    checked = {
+        e["req"] for e in read_history(clean.run_dir / "history.jsonl") if e["e"] == "oracle"
+    }
     assert len(checked) >= 4
 
     real = _Run.snapshot
@@ -161,10 +175,15 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
     monkeypatch.setattr(_Run, "snapshot", snapshot)
     r = run_scenario(tiny, 0, report_dir=tmp_path / "broken")
     assert r.verdict == "ERROR" and "snapshot broke" in r.summary
-    assert {e["req"] for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "oracle"} == checked
+    assert {
+        e["req"] for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "oracle"
+    } == checked
 
     monkeypatch.setattr(_Run, "snapshot", real)
-    monkeypatch.setattr("kvchaos.harness.judge.oracle.Oracle.check_many", lambda self, items: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(
+        "kvchaos.harness.judge.oracle.Oracle.check_many",
+        lambda self, items: (_ for _ in ()).throw(KeyboardInterrupt),
+    )
     r = run_scenario(tiny, 0, report_dir=tmp_path / "interrupted")
     res = results_of(r)
     assert r.verdict == "ERROR" and res["reason"] == "interrupted"
@@ -176,10 +195,16 @@ def test_timeout_is_an_error(tiny):
     assert r.verdict == "ERROR" and "TimeoutError" in r.summary and "time limit" in r.summary
 
 
-@pytest.mark.parametrize("fault, message", [
-    # bad param values are refused at load (tests/test_scenario.py); an engine the fault cannot arm on is left
-    ({"name": "ordering_race", "defect": False}, "fault ordering_race needs engine.tp_size >= 2"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        # bad param values are refused at load (tests/test_scenario.py); an engine the fault cannot arm on is left
+        (
+            {"name": "ordering_race", "defect": False},
+            "fault ordering_race needs engine.tp_size >= 2",
+        ),
+    ],
+)
 def test_a_fault_that_cannot_arm_is_a_clear_error(tiny, fault, message):
     data = {"scenario": {"name": "badparam"}, "faults": [fault], "workload": {"num_requests": 2}}
     r = run_scenario(parse_scenario(data, "<t>"), 0, report_dir=None)
@@ -212,8 +237,21 @@ def test_run_folder_contents(tiny, tmp_path):
     # the scenario as resolved: loading the run folder's copy gives the very scenario that ran
     assert load_scenario(r.run_dir / "scenario.toml").model_dump() == tiny.model_dump()
     res = results_of(r)
-    for key in ("verdict", "seed", "commit", "config_hash", "checkers", "time_to_detect_steps", "metrics",
-                "history_digest", "replay", "fault_verify", "expectation", "steps", "wall_s"):
+    for key in (
+        "verdict",
+        "seed",
+        "commit",
+        "config_hash",
+        "checkers",
+        "time_to_detect_steps",
+        "metrics",
+        "history_digest",
+        "replay",
+        "fault_verify",
+        "expectation",
+        "steps",
+        "wall_s",
+    ):
         assert key in res, key
     assert res["seed"] == 0 and res["scenario"] == "tiny" and res["exit_code"] == 0
     events = read_history(r.run_dir / "history.jsonl")
@@ -303,7 +341,9 @@ def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
     assert start["block_manager"] == f"{__name__}:ProtocolOnlyBM"
     assert own.results["replay"].endswith(f"--block-manager {__name__}:ProtocolOnlyBM")
     # same decisions, block for block: everything but the run_start line is identical
-    assert ([strip(e) for e in ev_own if e["e"] != "run_start"] == [strip(e) for e in ev_ref if e["e"] != "run_start"])
+    assert [strip(e) for e in ev_own if e["e"] != "run_start"] == [
+        strip(e) for e in ev_ref if e["e"] != "run_start"
+    ]
 
 
 def test_block_manager_by_spec_string(tiny):
@@ -314,7 +354,9 @@ def test_block_manager_by_spec_string(tiny):
 
 
 def test_a_leaky_user_block_manager_is_a_false_alarm_blamed_on_it(tmp_path):
-    sc = load_scenario("refcount-leak-clean")  # cancels while sharing, a storm; the reference engine holds
+    sc = load_scenario(
+        "refcount-leak-clean"
+    )  # cancels while sharing, a storm; the reference engine holds
     assert run_scenario(sc, 0, report_dir=None).verdict == "PASS"
     r = run_scenario(sc, 0, report_dir=tmp_path, block_manager=LeakyBM)
     assert r.verdict == "FALSE_ALARM", r.summary
@@ -327,7 +369,11 @@ def test_a_leaky_user_block_manager_is_a_false_alarm_blamed_on_it(tmp_path):
 
 
 def test_the_report_suspects_the_user_block_manager(tmp_path):
-    r = publish(run_scenario(load_scenario("refcount-leak-clean"), 0, report_dir=tmp_path, block_manager=LeakyBM))
+    r = publish(
+        run_scenario(
+            load_scenario("refcount-leak-clean"), 0, report_dir=tmp_path, block_manager=LeakyBM
+        )
+    )
     incidents = results_of(r).get("incidents")
     assert incidents, "the run folder has no incidents"
     root = incidents[0]["root_cause"]

@@ -1,6 +1,7 @@
 """Soak: budget and shard parsing, the random scenario space, a short CPU soak that kills an
 injected hang and goes on (ledger, summary, determinism replays), nondeterminism reported as such,
 and (with KVCHAOS_LONG=1) the 5-minute soak with its memory check."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,18 @@ import pytest
 from kvchaos.faults import REGISTRY
 from kvchaos.harness.cli import main as cli_main
 from kvchaos.harness.judge.scenario import parse_scenario
-from kvchaos.harness.tools.soak import (EXIT_NONDETERMINISM, SPACE, Soak, add_arguments, fingerprints, generate_scenario,
-                          parse_budget, parse_shard, shard_seed)
 from kvchaos.harness.judge.verdict import EXIT_CODES
+from kvchaos.harness.tools.soak import (
+    EXIT_NONDETERMINISM,
+    SPACE,
+    Soak,
+    add_arguments,
+    fingerprints,
+    generate_scenario,
+    parse_budget,
+    parse_shard,
+    shard_seed,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,8 +47,12 @@ def test_budget_parsing():
 def test_bad_budget_is_one_clear_error(capsys, tmp_path):
     assert cli_main(["soak", "--budget", "ten minutes", "--report-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["kvchaos: error: --budget 'ten minutes': expected a duration such as 90s, 5m or 1h30m"]
-    assert cli_main(["soak", "--budget", "1m", "--shard", "3/2", "--report-dir", str(tmp_path)]) == 2
+    assert err == [
+        "kvchaos: error: --budget 'ten minutes': expected a duration such as 90s, 5m or 1h30m"
+    ]
+    assert (
+        cli_main(["soak", "--budget", "1m", "--shard", "3/2", "--report-dir", str(tmp_path)]) == 2
+    )
     assert "--shard '3/2'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing started
     (tmp_path / "ledger.sqlite").write_text("not a database")
@@ -64,14 +78,19 @@ def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():
         sc = parse_scenario(d, f"<soak {seed}>")
         cache = sc.engine_config().cache
         assert cache.block_size in SPACE["engine"]["block_size"]
-        assert 1 <= sc.workload.num_requests <= max(SPACE["workload"]["num_requests"][1],
-                                                    SPACE["stall_workload"]["num_requests"][1])
+        assert (
+            1
+            <= sc.workload.num_requests
+            <= max(SPACE["workload"]["num_requests"][1], SPACE["stall_workload"]["num_requests"][1])
+        )
         names = [f.name for f in sc.faults]
         seen_faults |= set(names)
         if "ordering_race" in names:
             assert sc.engine_config().tp_size == 2
         if "staging_stall" not in names:  # the workload's own requests fit a row
-            assert sc.workload.prompt_len.max + sc.workload.output_len.max <= cache.max_tokens_per_seq
+            assert (
+                sc.workload.prompt_len.max + sc.workload.output_len.max <= cache.max_tokens_per_seq
+            )
         for f in sc.faults:
             for k, v in f.params.items():
                 spec = SPACE["faults"][f.name][k]
@@ -87,40 +106,105 @@ def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():
 
 
 def test_fingerprints_name_the_failure_mode_checker_and_kind():
-    faults = [{"name": "table_overflow", "defect": True}, {"name": "refcount_leak", "defect": False}]
-    results = {"verdict": "PASS", "steps": 30, "expectation": {"checkers": ["table_integrity"]},
-               "checkers": [{"checker": "oracle_divergence", "valid": False,
-                             "findings": [{"checker": "oracle_divergence", "step": 3, "kind": "divergence"}]},
-                            {"checker": "table_integrity", "valid": False,
-                             "findings": [{"checker": "table_integrity", "step": 5, "kind": "foreign_block"},
-                                          {"checker": "table_integrity", "step": 9, "kind": "foreign_block"}]},
-                            {"checker": "block_accounting", "valid": False,
-                             "findings": [{"checker": "block_accounting", "step": 7, "kind": "leak"}]}]}
+    faults = [
+        {"name": "table_overflow", "defect": True},
+        {"name": "refcount_leak", "defect": False},
+    ]
+    results = {
+        "verdict": "PASS",
+        "steps": 30,
+        "expectation": {"checkers": ["table_integrity"]},
+        "checkers": [
+            {
+                "checker": "oracle_divergence",
+                "valid": False,
+                "findings": [{"checker": "oracle_divergence", "step": 3, "kind": "divergence"}],
+            },
+            {
+                "checker": "table_integrity",
+                "valid": False,
+                "findings": [
+                    {"checker": "table_integrity", "step": 5, "kind": "foreign_block"},
+                    {"checker": "table_integrity", "step": 9, "kind": "foreign_block"},
+                ],
+            },
+            {
+                "checker": "block_accounting",
+                "valid": False,
+                "findings": [{"checker": "block_accounting", "step": 7, "kind": "leak"}],
+            },
+        ],
+    }
     fps = fingerprints(results, faults)
-    assert fps[0] == {"fp": ("DETECTED", "table_overflow", "table_integrity", "foreign_block"), "step": 5}
+    assert fps[0] == {
+        "fp": ("DETECTED", "table_overflow", "table_integrity", "foreign_block"),
+        "step": 5,
+    }
     assert {"fp": ("DETECTED", "refcount_leak", "block_accounting", "leak"), "step": 7} in fps
     assert len(fps) == 3
     err = fingerprints({"verdict": "ERROR", "steps": 0, "error": {"error": "Timeout"}}, faults)
     assert err == [{"fp": ("ERROR", "-", "runner", "Timeout"), "step": 0}]
-    missed = fingerprints({"verdict": "MISSED", "steps": 9, "fault_verify": {"table_overflow": {"first_step": 4}},
-                           "time_to_detect_steps": {}, "checkers": []}, faults)
+    missed = fingerprints(
+        {
+            "verdict": "MISSED",
+            "steps": 9,
+            "fault_verify": {"table_overflow": {"first_step": 4}},
+            "time_to_detect_steps": {},
+            "checkers": [],
+        },
+        faults,
+    )
     assert missed == [{"fp": ("MISSED", "table_overflow", "-", "not_caught"), "step": 4}]
 
 
 def _soak_args(tmp_path: Path) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    return p.parse_args(["--budget", "30s", "--device", "cpu", "--report-dir", str(tmp_path), "--seed-start", "0",
-                         "--quiet"])
+    return p.parse_args(
+        [
+            "--budget",
+            "30s",
+            "--device",
+            "cpu",
+            "--report-dir",
+            str(tmp_path),
+            "--seed-start",
+            "0",
+            "--quiet",
+        ]
+    )
 
 
 def test_short_soak_kills_an_injected_hang_and_goes_on(tmp_path):
     budget, slack = 40, 20
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "kvchaos.harness.cli", "soak", "--budget", f"{budget}s", "--device", "cpu",
-                        "--per-run-timeout", "2", "--report-dir", str(tmp_path), "--seed-start", "0",
-                        "--inject-hang-every", "6", "--keep", "all", "--quiet"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=budget + 120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvchaos.harness.cli",
+            "soak",
+            "--budget",
+            f"{budget}s",
+            "--device",
+            "cpu",
+            "--per-run-timeout",
+            "2",
+            "--report-dir",
+            str(tmp_path),
+            "--seed-start",
+            "0",
+            "--inject-hang-every",
+            "6",
+            "--keep",
+            "all",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=budget + 120,
+    )
     wall = time.monotonic() - t0
     assert wall < budget + slack, f"took {wall:.0f} s for a {budget} s budget"
     (folder,) = [d for d in tmp_path.iterdir() if d.name.startswith("soak-")]
@@ -133,8 +217,10 @@ def test_short_soak_kills_an_injected_hang_and_goes_on(tmp_path):
     assert s["verdicts"].get("ERROR", 0) >= 1
     assert p.returncode == s["exit_code"] != 0
     db = sqlite3.connect(folder.parent / "ledger.sqlite")
-    rows = db.execute("SELECT seed, verdict, run_dir, scenario_json, command, history_digest, determinism "
-                      "FROM runs ORDER BY id").fetchall()
+    rows = db.execute(
+        "SELECT seed, verdict, run_dir, scenario_json, command, history_digest, determinism "
+        "FROM runs ORDER BY id"
+    ).fetchall()
     assert len(rows) == s["runs"]
     assert [r[0] for r in rows] == list(range(s["runs"]))
     hung = rows[5]
@@ -144,15 +230,21 @@ def test_short_soak_kills_an_injected_hang_and_goes_on(tmp_path):
     assert json.loads(hung[3]) == generate_scenario(5)
     assert rows[6][5] is not None  # the run after the hang really ran
     for seed, verdict, run_dir, _, command, digest, _ in rows:
-        assert (Path(run_dir) / "scenario.toml").is_file() and (Path(run_dir) / "scenario.json").is_file()
+        assert (Path(run_dir) / "scenario.toml").is_file() and (
+            Path(run_dir) / "scenario.json"
+        ).is_file()
         assert command.startswith("kvchaos run ") and f"--seed {seed}" in command
     # determinism: the first run that is not an ERROR (and every 20th) was replayed and matched
     assert s["determinism"]["replayed"] >= 1 and s["determinism"]["mismatches"] == []
     checked = [r[6] for r in rows if r[6]]
     assert "identical" in checked and set(checked) <= {"identical", "cut"}
-    assert db.execute("SELECT runs, exit_code FROM soaks").fetchall() == [(s["runs"], s["exit_code"])]
+    assert db.execute("SELECT runs, exit_code FROM soaks").fetchall() == [
+        (s["runs"], s["exit_code"])
+    ]
     # the kept runs' index is built once at the end and lists every one of them
-    assert sorted(json.loads((folder / "runs" / "index.json").read_text())) == sorted(Path(r[2]).name for r in rows)
+    assert sorted(json.loads((folder / "runs" / "index.json").read_text())) == sorted(
+        Path(r[2]).name for r in rows
+    )
     inc = {tuple(i["fingerprint"][:3]): i for i in s["incidents"]}
     timeout = [i for fp, i in inc.items() if fp[0] == "ERROR" and fp[2] == "runner"]
     assert timeout and timeout[0]["first_seed"] == 5
@@ -189,8 +281,15 @@ def test_a_replay_mismatch_is_nondeterminism_not_a_retry(tmp_path):
     soak.worker = _FakeWorker()
     data = generate_scenario(3)
     job = {"seed": 3, "scenario": data, "scenario_path": "x.toml", "hang": False}
-    r = {"run_dir": str(tmp_path / "run"), "verdict": "PASS", "summary": "clean", "steps": 12, "digest": "a" * 64,
-         "command": "kvchaos run x.toml --seed 3", "fingerprints": []}
+    r = {
+        "run_dir": str(tmp_path / "run"),
+        "verdict": "PASS",
+        "summary": "clean",
+        "steps": 12,
+        "digest": "a" * 64,
+        "command": "kvchaos run x.toml --seed 3",
+        "fingerprints": [],
+    }
     row = soak._record(job, r, 0.5)
     soak._replay(job, r, row, time.monotonic() + 60, lambda: None)
     assert soak.counts["PASS"] == 1 and soak.counts["NONDETERMINISM"] == 1
@@ -202,13 +301,35 @@ def test_a_replay_mismatch_is_nondeterminism_not_a_retry(tmp_path):
 
 
 @pytest.mark.soak
-@pytest.mark.skipif(os.environ.get("KVCHAOS_LONG") != "1", reason="the 5-minute soak runs with KVCHAOS_LONG=1")
+@pytest.mark.skipif(
+    os.environ.get("KVCHAOS_LONG") != "1", reason="the 5-minute soak runs with KVCHAOS_LONG=1"
+)
 def test_five_minute_soak_stays_in_budget_and_does_not_leak(tmp_path):
     budget = 300
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "kvchaos.harness.cli", "soak", "--budget", "5m", "--device", "cpu",
-                    "--per-run-timeout", "10", "--report-dir", str(tmp_path), "--seed-start", "0",
-                    "--inject-hang-every", "25", "--quiet"], cwd=ROOT, timeout=budget + 180)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvchaos.harness.cli",
+            "soak",
+            "--budget",
+            "5m",
+            "--device",
+            "cpu",
+            "--per-run-timeout",
+            "10",
+            "--report-dir",
+            str(tmp_path),
+            "--seed-start",
+            "0",
+            "--inject-hang-every",
+            "25",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        timeout=budget + 180,
+    )
     assert time.monotonic() - t0 < budget + 30
     (folder,) = [d for d in tmp_path.iterdir() if d.name.startswith("soak-")]
     s = json.loads((folder / "soak.json").read_text())
@@ -224,9 +345,25 @@ def test_histories_are_pruned_unless_a_run_is_cited(tmp_path):
         d = tmp_path / f"run{seed}"
         d.mkdir()
         (d / "history.jsonl").write_text("{}\n")
-        job = {"seed": seed, "scenario": generate_scenario(seed), "scenario_path": "x.toml", "hang": False}
-        soak._record(job, {"run_dir": str(d), "verdict": verdict, "summary": "", "steps": 9, "digest": "d",
-                           "command": "c", "fingerprints": [{"fp": fp, "step": step} for fp, step in fps]}, 0.1)
+        job = {
+            "seed": seed,
+            "scenario": generate_scenario(seed),
+            "scenario_path": "x.toml",
+            "hang": False,
+        }
+        soak._record(
+            job,
+            {
+                "run_dir": str(d),
+                "verdict": verdict,
+                "summary": "",
+                "steps": 9,
+                "digest": "d",
+                "command": "c",
+                "fingerprints": [{"fp": fp, "step": step} for fp, step in fps],
+            },
+            0.1,
+        )
         return d / "history.jsonl"
 
     fp = ("DETECTED", "table_overflow", "table_integrity", "overlong")
@@ -235,6 +372,14 @@ def test_histories_are_pruned_unless_a_run_is_cited(tmp_path):
     faster = run(2, "PASS", [(fp, 3)])
     clean = run(3, "PASS", [])
     alarm = run(4, "FALSE_ALARM", [(("FALSE_ALARM", "-", "liveness", "starvation"), 4)])
-    assert [p.exists() for p in (first, again, faster, clean, alarm)] == [True, False, True, False, True]
-    assert soak.incidents[fp]["count"] == 3 and soak.incidents[fp]["fastest_run"] == str(faster.parent)
+    assert [p.exists() for p in (first, again, faster, clean, alarm)] == [
+        True,
+        False,
+        True,
+        False,
+        True,
+    ]
+    assert soak.incidents[fp]["count"] == 3 and soak.incidents[fp]["fastest_run"] == str(
+        faster.parent
+    )
     assert soak.ledger.db.execute("SELECT COUNT(*) FROM runs").fetchone() == (5,)

@@ -1,5 +1,6 @@
 """Telemetry on the CPU: process fields, the plain no-GPU reason, the sampling schedule, the GPU
 fields through a stand-in NVML module, and the runner's history carrying all of it."""
+
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,7 @@ def fake_nvml(init_error: str | None = None, unsupported: tuple = ()) -> types.M
             if name in unsupported:
                 raise FakeNVMLError("Not Supported")
             return value
+
         return read
 
     nv.nvmlInit = init
@@ -49,10 +51,12 @@ def fake_nvml(init_error: str | None = None, unsupported: tuple = ()) -> types.M
 @pytest.fixture
 def nvml(monkeypatch):
     """Installs a stand-in pynvml (or none) and forgets the once-per-process NVML state."""
+
     def install(mod):
         monkeypatch.setattr(telemetry, "_NVML", {})
         monkeypatch.setitem(sys.modules, "pynvml", mod)
         return mod
+
     return install
 
 
@@ -81,7 +85,9 @@ def test_nvml_absent_reason_is_plain(nvml):
 def test_nvml_package_missing_reason(nvml):
     nvml(None)  # `import pynvml` raises ImportError
     tel = Telemetry("cuda")
-    assert not tel.available and tel.reason.startswith("no NVIDIA GPU: NVML not available (nvidia-ml-py not installed")
+    assert not tel.available and tel.reason.startswith(
+        "no NVIDIA GPU: NVML not available (nvidia-ml-py not installed"
+    )
 
 
 def test_nvml_initialised_once_per_process(nvml):
@@ -118,7 +124,9 @@ def test_schedule_every_n_steps_and_interval_whichever_is_later():
     tel = Telemetry("cpu", every_steps=10, min_interval_s=0.5, clock=lambda: now[0])
     sampled = []
     for step in range(1, 61):
-        now[0] += 0.01 if step < 30 else 0.2  # fast steps: the 0.5 s gate decides; slow ones: the 10-step gate
+        now[0] += (
+            0.01 if step < 30 else 0.2
+        )  # fast steps: the 0.5 s gate decides; slow ones: the 10-step gate
         if tel.step_fields(step):
             sampled.append(step)
     assert sampled == [1, 31, 41, 51]
@@ -142,7 +150,9 @@ def test_runner_history_carries_telemetry(monkeypatch, tmp_path):
     r = run_scenario(sc, 0, device="cpu", report_dir=tmp_path)
     ev = read_history(r.run_dir / "history.jsonl")
     start = next(e for e in ev if e["e"] == "run_start")
-    assert start["telemetry"]["enabled"] and start["telemetry"]["reason"]  # no GPU sampled here, and why
+    assert (
+        start["telemetry"]["enabled"] and start["telemetry"]["reason"]
+    )  # no GPU sampled here, and why
     steps = [e for e in ev if e["e"] == "step"]
     sampled = [e["step"] for e in steps if "telemetry" in e]
     assert sampled == list(range(1, steps[-1]["step"] + 1, 5))
@@ -152,5 +162,7 @@ def test_runner_history_carries_telemetry(monkeypatch, tmp_path):
     # Telemetry is machine data: the deterministic digest must not see it.
     monkeypatch.setenv("KVCHAOS_TELEMETRY", "0")
     off = run_scenario(sc, 0, device="cpu", report_dir=tmp_path)
-    assert not any("telemetry" in e for e in read_history(off.run_dir / "history.jsonl") if e["e"] == "step")
+    assert not any(
+        "telemetry" in e for e in read_history(off.run_dir / "history.jsonl") if e["e"] == "step"
+    )
     assert off.results["history_digest"] == r.results["history_digest"]

@@ -1,18 +1,32 @@
 """decide(): every verdict from an expectation, checker results and fault.verify(), with the
 boundaries (caught exactly within the window, one step too late, before the defect fired)."""
+
 from __future__ import annotations
 
 import pytest
 
 from kvchaos.harness.judge.checkers import CHECKERS, CheckResult, Finding
 from kvchaos.harness.judge.scenario import parse_scenario
-from kvchaos.harness.judge.verdict import (ERROR, EXIT_CODES, FALSE_ALARM, INCONCLUSIVE, MEANING, MISSED, PASS, SEVERITY, decide,
-                             worst)
+from kvchaos.harness.judge.verdict import (
+    ERROR,
+    EXIT_CODES,
+    FALSE_ALARM,
+    INCONCLUSIVE,
+    MEANING,
+    MISSED,
+    PASS,
+    SEVERITY,
+    decide,
+    worst,
+)
 
 
 def scenario(outcome="clean", faults=(), checkers=(), within=2):
-    data = {"scenario": {"name": "t"}, "faults": [{"name": n, "defect": d} for n, d in faults],
-            "expect": {"outcome": outcome}}
+    data = {
+        "scenario": {"name": "t"},
+        "faults": [{"name": n, "defect": d} for n, d in faults],
+        "expect": {"outcome": outcome},
+    }
     if outcome == "detect":
         data["expect"].update(checkers=list(checkers), within_steps=within)
     return parse_scenario(data, "<test>")
@@ -22,7 +36,11 @@ def checks(*findings, unknown=()):
     """One CheckResult per checker: findings given as (checker, step)."""
     out = []
     for name in CHECKERS:
-        fs = [Finding(c, s, f"{c} saw something at step {s}", kind="k") for c, s in findings if c == name]
+        fs = [
+            Finding(c, s, f"{c} saw something at step {s}", kind="k")
+            for c, s in findings
+            if c == name
+        ]
         if name in unknown:
             out.append(CheckResult(name, None, [], "Traceback ...\nKeyError: 'table'"))
         else:
@@ -54,8 +72,12 @@ def test_pass_detect_within_steps(step, ttd):
 
 def test_pass_detect_by_any_one_expected_checker():
     sc = scenario("detect", [("table_overflow", True)], ["table_integrity", "oracle_divergence"])
-    v = decide(sc, checks(("oracle_divergence", 5), ("oracle_divergence", 9)),
-               {"table_overflow": {"fired": True, "first_step": 4}}, None)
+    v = decide(
+        sc,
+        checks(("oracle_divergence", 5), ("oracle_divergence", 9)),
+        {"table_overflow": {"fired": True, "first_step": 4}},
+        None,
+    )
     assert v.verdict == PASS and v.time_to_detect == {"table_overflow": 1}
 
 
@@ -80,10 +102,16 @@ def test_a_finding_before_the_defect_fired_does_not_count():
 
 
 def test_missed_names_the_one_of_two_planted_faults_not_caught():
-    sc = scenario("detect", [("refcount_leak", True), ("ordering_race", True)], ["block_accounting"])
+    sc = scenario(
+        "detect", [("refcount_leak", True), ("ordering_race", True)], ["block_accounting"]
+    )
     verify = {**FIRED_AT_10, "ordering_race": {"fired": True, "first_step": 3}}
     v = decide(sc, checks(("block_accounting", 10)), verify, None)
-    assert v.verdict == MISSED and "ordering_race" in v.summary and "refcount_leak" not in v.summary.split(":")[-1]
+    assert (
+        v.verdict == MISSED
+        and "ordering_race" in v.summary
+        and "refcount_leak" not in v.summary.split(":")[-1]
+    )
 
 
 def test_false_alarm_with_nothing_planted_names_the_earliest_finding():
@@ -95,7 +123,12 @@ def test_false_alarm_with_nothing_planted_names_the_earliest_finding():
 def test_false_alarm_with_trigger_only_faults():
     """The remediation failed under the trigger: a real engine bug, reported as a false alarm of the scenario."""
     sc = scenario(faults=[("refcount_leak", False)])
-    v = decide(sc, checks(("block_accounting", 12)), {"refcount_leak": {"planted": False, "fired": False}}, None)
+    v = decide(
+        sc,
+        checks(("block_accounting", 12)),
+        {"refcount_leak": {"planted": False, "fired": False}},
+        None,
+    )
     assert v.verdict == FALSE_ALARM
 
 
@@ -120,21 +153,29 @@ def test_error_when_a_checker_could_not_decide_never_pass(sc):
 
 
 def test_exit_codes_are_distinct_and_not_usage_or_pytest_codes():
-    assert set(EXIT_CODES) == {PASS, MISSED, FALSE_ALARM, INCONCLUSIVE, ERROR} == set(MEANING) == set(SEVERITY)
+    assert (
+        set(EXIT_CODES)
+        == {PASS, MISSED, FALSE_ALARM, INCONCLUSIVE, ERROR}
+        == set(MEANING)
+        == set(SEVERITY)
+    )
     codes = list(EXIT_CODES.values())
     assert len(set(codes)) == len(codes)
     assert EXIT_CODES[PASS] == 0 and not {1, 2, 130} & set(codes)
 
 
-@pytest.mark.parametrize("verdicts, expected", [
-    ([], PASS),
-    ([PASS, PASS], PASS),
-    ([PASS, INCONCLUSIVE], INCONCLUSIVE),
-    ([INCONCLUSIVE, ERROR, PASS], ERROR),
-    ([ERROR, FALSE_ALARM], FALSE_ALARM),
-    ([FALSE_ALARM, MISSED, ERROR], MISSED),
-    ([PASS, MISSED], MISSED),
-])
+@pytest.mark.parametrize(
+    "verdicts, expected",
+    [
+        ([], PASS),
+        ([PASS, PASS], PASS),
+        ([PASS, INCONCLUSIVE], INCONCLUSIVE),
+        ([INCONCLUSIVE, ERROR, PASS], ERROR),
+        ([ERROR, FALSE_ALARM], FALSE_ALARM),
+        ([FALSE_ALARM, MISSED, ERROR], MISSED),
+        ([PASS, MISSED], MISSED),
+    ],
+)
 def test_worst(verdicts, expected):
     assert worst(verdicts) == expected
     assert worst(list(reversed(verdicts))) == expected

@@ -10,6 +10,7 @@ says so instead of reporting a number.
 
   python -m kvchaos.harness.bench.staging [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,20 +26,39 @@ from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.staging import StagingBuffer
 
-NOT_APPLICABLE = ("not applicable: no CUDA device. On the CPU the block table never crosses to a device, so pinned "
-                  "and pageable staging are the same host copy")
+NOT_APPLICABLE = (
+    "not applicable: no CUDA device. On the CPU the block table never crosses to a device, so pinned "
+    "and pageable staging are the same host copy"
+)
 # "default": the scenarios' table size; "large": a serving-size table (256 sequences x 2048 blocks, 2 MiB)
 TABLES = {"default": (16, 32), "large": (256, 2048)}
-STRATEGIES = {"pinned": lambda n: StagingBuffer(n, pinned=True), "pageable": lambda n: StagingBuffer(n, pinned=False)}
+STRATEGIES = {
+    "pinned": lambda n: StagingBuffer(n, pinned=True),
+    "pageable": lambda n: StagingBuffer(n, pinned=False),
+}
 
 
-def decode_engine(device: str, max_num_seqs: int, max_blocks_per_seq: int, batch: int = 8, prompt_len: int = 32,
-                  max_new: int = 400) -> Engine:
+def decode_engine(
+    device: str,
+    max_num_seqs: int,
+    max_blocks_per_seq: int,
+    batch: int = 8,
+    prompt_len: int = 32,
+    max_new: int = 400,
+) -> Engine:
     """An engine with `batch` sequences all decoding (prefill done)."""
     bs = 16
-    cache = CacheConfig(block_size=bs, num_blocks=batch * -(-(prompt_len + max_new) // bs) + 8,
-                        max_blocks_per_seq=max_blocks_per_seq, max_num_seqs=max_num_seqs)
-    eng = Engine(EngineConfig(model=ModelConfig(), cache=cache, device=device, max_prefill_tokens=batch * prompt_len))
+    cache = CacheConfig(
+        block_size=bs,
+        num_blocks=batch * -(-(prompt_len + max_new) // bs) + 8,
+        max_blocks_per_seq=max_blocks_per_seq,
+        max_num_seqs=max_num_seqs,
+    )
+    eng = Engine(
+        EngineConfig(
+            model=ModelConfig(), cache=cache, device=device, max_prefill_tokens=batch * prompt_len
+        )
+    )
     vocab = eng.config.model.vocab_size
     for i in range(batch):
         eng.add_request(f"r{i}", [(7 * i + j) % vocab for j in range(prompt_len)], max_new)
@@ -47,7 +67,9 @@ def decode_engine(device: str, max_num_seqs: int, max_blocks_per_seq: int, batch
     return eng
 
 
-def alternate(engine: Engine, strategies: dict, rounds: int = 10, steps_per_round: int = 12, warm: int = 2) -> dict:
+def alternate(
+    engine: Engine, strategies: dict, rounds: int = 10, steps_per_round: int = 12, warm: int = 2
+) -> dict:
     """Per strategy: the engine's per-step latency (StepStats.latency_s, which ends in a device
     sync) and host time, over `rounds` blocks of steps, the strategies' order swapped each round."""
     numel = engine.staging.tensor.numel()
@@ -55,16 +77,22 @@ def alternate(engine: Engine, strategies: dict, rounds: int = 10, steps_per_roun
     host = {k: [] for k in strategies}
     names = list(strategies)
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             engine.staging = strategies[name](numel)
             for i in range(steps_per_round):
                 st = engine.step().stats
                 if i >= warm:  # the first steps after a swap pay for the new buffer
                     lat[name].append(st.latency_s)
                     host[name].append(st.host_s)
-    return {k: {"steps": len(lat[k]), "median_us": round(statistics.median(lat[k]) * 1e6, 1),
-                "p90_us": round(statistics.quantiles(lat[k], n=10)[-1] * 1e6, 1),
-                "host_median_us": round(statistics.median(host[k]) * 1e6, 1)} for k in strategies}
+    return {
+        k: {
+            "steps": len(lat[k]),
+            "median_us": round(statistics.median(lat[k]) * 1e6, 1),
+            "p90_us": round(statistics.quantiles(lat[k], n=10)[-1] * 1e6, 1),
+            "host_median_us": round(statistics.median(host[k]) * 1e6, 1),
+        }
+        for k in strategies
+    }
 
 
 def upload_times(numel: int, device: str, runs: int = 50) -> dict:
@@ -82,8 +110,11 @@ def upload_times(numel: int, device: str, runs: int = 50) -> dict:
             torch.cuda.synchronize()
             blocked.append(t1 - t0)
             done.append(time.perf_counter() - t0)
-        out[name] = {"pinned": buf.tensor.is_pinned(), "host_blocked_us": round(statistics.median(blocked) * 1e6, 1),
-                     "complete_us": round(statistics.median(done) * 1e6, 1)}
+        out[name] = {
+            "pinned": buf.tensor.is_pinned(),
+            "host_blocked_us": round(statistics.median(blocked) * 1e6, 1),
+            "complete_us": round(statistics.median(done) * 1e6, 1),
+        }
     return out
 
 
@@ -97,7 +128,9 @@ def measure(device: str | None = None, rounds: int = 10, steps_per_round: int = 
         per = alternate(eng, STRATEGIES, rounds, steps_per_round)
         p, q = per["pinned"], per["pageable"]
         res["tables"][label] = {
-            "table_bytes": eng.staging.tensor.numel() * 4, "batch": len(eng.running), **per,
+            "table_bytes": eng.staging.tensor.numel() * 4,
+            "batch": len(eng.running),
+            **per,
             "pageable_minus_pinned_us": round(q["median_us"] - p["median_us"], 1),
             "pageable_over_pinned": round(q["median_us"] / p["median_us"], 3),
             "upload": upload_times(eng.staging.tensor.numel(), device),
@@ -109,19 +142,26 @@ def print_report(r: dict) -> None:
     if not r["applicable"]:
         print(f"staging: {r['reason']}")
         return
-    print(f"staging on {r['device']}: per-step engine latency, median (host part), pinned vs pageable")
+    print(
+        f"staging on {r['device']}: per-step engine latency, median (host part), pinned vs pageable"
+    )
     for label, t in r["tables"].items():
         up = t["upload"]
         p, q = t["pinned"], t["pageable"]
-        print(f"  {label} table ({t['table_bytes'] / 1024:.0f} KiB, batch {t['batch']}): pinned "
-              f"{p['median_us']} us ({p['host_median_us']}), pageable {q['median_us']} us ({q['host_median_us']}): "
-              f"{t['pageable_minus_pinned_us']:+} us, x{t['pageable_over_pinned']}; "
-              f"bare upload host-blocked {up['pinned']['host_blocked_us']} vs {up['pageable']['host_blocked_us']} us")
+        print(
+            f"  {label} table ({t['table_bytes'] / 1024:.0f} KiB, batch {t['batch']}): pinned "
+            f"{p['median_us']} us ({p['host_median_us']}), pageable {q['median_us']} us ({q['host_median_us']}): "
+            f"{t['pageable_minus_pinned_us']:+} us, x{t['pageable_over_pinned']}; "
+            f"bare upload host-blocked {up['pinned']['host_blocked_us']} vs {up['pageable']['host_blocked_us']} us"
+        )
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m kvchaos.harness.bench.staging", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m kvchaos.harness.bench.staging",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
     result = measure()

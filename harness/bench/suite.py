@@ -20,11 +20,10 @@ What is measured, and against what:
 
 Targets are reported, never asserted: `met` says whether this run met each one.
 """
+
 from __future__ import annotations
 
 import argparse
-from collections import deque
-from contextlib import nullcontext
 import gc
 import json
 import math
@@ -34,6 +33,8 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -142,18 +143,38 @@ def _round_robin(fns: dict, repeats: int) -> dict[str, float]:
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def _metric(label: str, unit: str, measured: float, baseline: float | None = None,
-            baseline_name: str | None = None, target: float | None = None, target_op: str | None = None,
-            target_on: str = "measured", higher_is_better: bool = True, note: str = "") -> dict:
+def _metric(
+    label: str,
+    unit: str,
+    measured: float,
+    baseline: float | None = None,
+    baseline_name: str | None = None,
+    target: float | None = None,
+    target_op: str | None = None,
+    target_on: str = "measured",
+    higher_is_better: bool = True,
+    note: str = "",
+) -> dict:
     """One row. ratio is always measured / baseline; the target applies to `target_on`."""
     ratio = measured / baseline if baseline else None
     met = None
     if target is not None:
         v = measured if target_on == "measured" else ratio
         met = bool(v >= target) if target_op == ">=" else bool(v <= target)
-    return dict(label=label, unit=unit, measured=measured, baseline=baseline, baseline_name=baseline_name,
-                ratio=ratio, target=target, target_op=target_op, target_on=target_on, met=met,
-                higher_is_better=higher_is_better, note=note)
+    return dict(
+        label=label,
+        unit=unit,
+        measured=measured,
+        baseline=baseline,
+        baseline_name=baseline_name,
+        ratio=ratio,
+        target=target,
+        target_op=target_op,
+        target_on=target_on,
+        met=met,
+        higher_is_better=higher_is_better,
+        note=note,
+    )
 
 
 # -- block manager benchmarks ------------------------------------------------------------------
@@ -191,7 +212,9 @@ def bench_pool_rates(n: int, repeats: int, num_blocks: int = 65536) -> dict[str,
     return {k: n / v for k, v in med.items()}
 
 
-def bench_pool_scale(n: int, repeats: int, small: int = 1_000, large: int = 1_000_000) -> dict[str, float]:
+def bench_pool_scale(
+    n: int, repeats: int, small: int = 1_000, large: int = 1_000_000
+) -> dict[str, float]:
     """Nanoseconds per pool operation at two pool sizes, each half full (blocks held by other
     sequences). `plain`: allocate, decref (frees). `shared`: allocate, incref (a fork shares it),
     decref (still referenced, not freed), allocate another, decref it, decref the first (the fork
@@ -211,6 +234,7 @@ def bench_pool_scale(n: int, repeats: int, small: int = 1_000, large: int = 1_00
             for _ in loop:
                 d(a())
             return (perf() - t) / (2 * n) * 1e9
+
         return run
 
     def shared(p: BlockPool):
@@ -225,19 +249,29 @@ def bench_pool_scale(n: int, repeats: int, small: int = 1_000, large: int = 1_00
                 d(c)
                 d(b)
             return (perf() - t) / (6 * n) * 1e9
+
         return run
 
     # The shared variant really re-uses blocks while the prefix holds one: check it once.
     p = pools[small]
-    b = p.allocate(); p.incref(b); p.decref(b)
+    b = p.allocate()
+    p.incref(b)
+    p.decref(b)
     c = p.allocate()
     assert c != b and p.ref[b] == 1, "a block still referenced by a fork was handed out again"
-    p.decref(c); p.decref(b)
+    p.decref(c)
+    p.decref(b)
 
     with _NoGC():
-        med = _round_robin({"plain_small": plain(pools[small]), "plain_large": plain(pools[large]),
-                            "shared_small": shared(pools[small]), "shared_large": shared(pools[large])},
-                           repeats)
+        med = _round_robin(
+            {
+                "plain_small": plain(pools[small]),
+                "plain_large": plain(pools[large]),
+                "shared_small": shared(pools[small]),
+                "shared_large": shared(pools[large]),
+            },
+            repeats,
+        )
     for size, p in pools.items():
         assert len(p.free) == size - size // 2
     return med
@@ -267,8 +301,9 @@ def bench_build(num_blocks: int, repeats: int) -> dict[str, float]:
         return _round_robin({"blockmanager": ours, "list": bare}, repeats)
 
 
-def bench_decode_bookkeeping(steps: int, repeats: int, num_seqs: int = 64, block_size: int = 16,
-                             prompt: int = 100) -> dict[str, float]:
+def bench_decode_bookkeeping(
+    steps: int, repeats: int, num_seqs: int = 64, block_size: int = 16, prompt: int = 100
+) -> dict[str, float]:
     """Microseconds per sequence per decode step of pure block bookkeeping: every sequence appends
     one token per step. Prompt lengths are staggered so block boundaries do not all coincide."""
     width = -(-(prompt + num_seqs + steps) // block_size) + 1
@@ -365,8 +400,10 @@ def bench_engine_b1(device: str, steps: int, warmup: int, prompt: int = 16) -> d
 
 def _host_shares(lat: list[float], host: list[float], prep: list[float]) -> dict[str, float]:
     mean_lat = statistics.fmean(lat)
-    return {"host_share": statistics.fmean(host) / mean_lat,
-            "bookkeeping_share": (statistics.fmean(host) - statistics.fmean(prep)) / mean_lat}
+    return {
+        "host_share": statistics.fmean(host) / mean_lat,
+        "bookkeeping_share": (statistics.fmean(host) - statistics.fmean(prep)) / mean_lat,
+    }
 
 
 class ContiguousDecoder:
@@ -377,8 +414,14 @@ class ContiguousDecoder:
         cfg = model.cfg
         self.model, self.batch = model, batch
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=cfg.torch_dtype, device=model.device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=cfg.torch_dtype, device=model.device) for _ in range(cfg.num_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=cfg.torch_dtype, device=model.device)
+            for _ in range(cfg.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=cfg.torch_dtype, device=model.device)
+            for _ in range(cfg.num_layers)
+        ]
         self.groups = cfg.num_heads // cfg.num_kv_heads
         self.t = 0
         try:
@@ -392,7 +435,9 @@ class ContiguousDecoder:
         if not self.gqa:
             k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.model.scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.model.scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=self.model.scale, enable_gqa=True
+        )
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -427,8 +472,12 @@ class ContiguousDecoder:
             # ratio measures paging alone: [B, Hkv, G, D] against [B, Hkv, t+1, D] read in place.
             b, h, d = q.shape
             hkv = kc.shape[2]
-            o = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kc[:, :t + 1].transpose(1, 2),
-                                               vc[:, :t + 1].transpose(1, 2), scale=self.model.scale)
+            o = F.scaled_dot_product_attention(
+                q.view(b, hkv, h // hkv, d),
+                kc[:, : t + 1].transpose(1, 2),
+                vc[:, : t + 1].transpose(1, 2),
+                scale=self.model.scale,
+            )
             return o.reshape(b, h, d)
 
         logits = self.model.logits(self.model.forward(tok, positions, attend))
@@ -436,13 +485,17 @@ class ContiguousDecoder:
         return logits.argmax(-1).tolist(), logits
 
 
-def bench_paged_vs_contiguous(device: str, steps: int, warmup: int, batch: int = 8,
-                              context: int = 512) -> dict[str, float]:
+def bench_paged_vs_contiguous(
+    device: str, steps: int, warmup: int, batch: int = 8, context: int = 512
+) -> dict[str, float]:
     """Steady-state decode at batch x context: the engine's step and the contiguous baseline's step,
     alternated (who goes first flips every step) on the same inputs; the logits are compared too."""
     total = context + warmup + steps + 2
-    cc = CacheConfig(num_blocks=max(512, batch * -(-total // 16)), max_blocks_per_seq=max(64, -(-total // 16)),
-                     max_num_seqs=max(16, batch))
+    cc = CacheConfig(
+        num_blocks=max(512, batch * -(-total // 16)),
+        max_blocks_per_seq=max(64, -(-total // 16)),
+        max_num_seqs=max(16, batch),
+    )
     # The whole batch prefills in one step, so every sequence decodes at the same context length.
     cfg = EngineConfig(device=device, cache=cc, max_prefill_tokens=batch * context)
     engine = Engine(cfg)
@@ -455,7 +508,9 @@ def bench_paged_vs_contiguous(device: str, steps: int, warmup: int, batch: int =
     contig = ContiguousDecoder(engine.model, batch, total)
     first = contig.prefill(prompts).argmax(-1).tolist()
     first_agree = first == [engine.seqs[i].tokens[context] for i in ids]
-    contig.step([engine.seqs[i].tokens[context] for i in ids])  # catch up with the engine's first decode
+    contig.step(
+        [engine.seqs[i].tokens[context] for i in ids]
+    )  # catch up with the engine's first decode
 
     eng_t, con_t, lat, host, prep = [], [], [], [], []
     max_err = 0.0
@@ -491,20 +546,51 @@ def bench_paged_vs_contiguous(device: str, steps: int, warmup: int, batch: int =
                 host.append(st.host_s)
                 prep.append(st.prep_s)
     engine.close()
-    return {"engine_step_s": statistics.median(eng_t), "contiguous_step_s": statistics.median(con_t),
-            "max_abs_logit_err": max_err, "first_token_agrees": first_agree, **_host_shares(lat, host, prep)}
+    return {
+        "engine_step_s": statistics.median(eng_t),
+        "contiguous_step_s": statistics.median(con_t),
+        "max_abs_logit_err": max_err,
+        "first_token_agrees": first_agree,
+        **_host_shares(lat, host, prep),
+    }
 
 
 # -- the whole bench ---------------------------------------------------------------------------
-FULL = dict(pool_n=200_000, pool_repeats=15, scale_n=100_000, scale_repeats=11, build_repeats=7,
-            decode_steps=1_000, decode_repeats=15, b1_steps=1_000, b1_warmup=30, b8_steps=400, b8_warmup=10,
-            overhead_repeats=3, overhead_scenarios=None)
-QUICK = dict(pool_n=5_000, pool_repeats=3, scale_n=2_000, scale_repeats=3, build_repeats=1,
-             decode_steps=40, decode_repeats=3, b1_steps=10, b1_warmup=2, b8_steps=6, b8_warmup=2,
-             overhead_repeats=1, overhead_scenarios=["table-overflow-detect"])
+FULL = dict(
+    pool_n=200_000,
+    pool_repeats=15,
+    scale_n=100_000,
+    scale_repeats=11,
+    build_repeats=7,
+    decode_steps=1_000,
+    decode_repeats=15,
+    b1_steps=1_000,
+    b1_warmup=30,
+    b8_steps=400,
+    b8_warmup=10,
+    overhead_repeats=3,
+    overhead_scenarios=None,
+)
+QUICK = dict(
+    pool_n=5_000,
+    pool_repeats=3,
+    scale_n=2_000,
+    scale_repeats=3,
+    build_repeats=1,
+    decode_steps=40,
+    decode_repeats=3,
+    b1_steps=10,
+    b1_warmup=2,
+    b8_steps=6,
+    b8_warmup=2,
+    overhead_repeats=1,
+    overhead_scenarios=["table-overflow-detect"],
+)
 
 
-def bench_harness_overhead(repeats: int, names: list[str] | None = None, device: str = "cpu") -> dict[str, float]:
+def bench_harness_overhead(
+    repeats: int, names: list[str] | None = None, device: str = "cpu"
+) -> dict[str, float]:
     """The built-in suite (seed 0) driven three ways: the engine alone (workload and faults, no
     harness); with the harness's checking (history, snapshots, oracle, checkers and verdict, the
     history kept in memory); and as `kvchaos run` does it, with each run's folder written (history,
@@ -512,13 +598,14 @@ def bench_harness_overhead(repeats: int, names: list[str] | None = None, device:
     import tempfile
 
     from kvchaos.harness.judge.history import History
-    from kvchaos.harness.report.index import update_index
-    from kvchaos.harness.report.render import publish
     from kvchaos.harness.judge.runner import _Run, run_scenario
     from kvchaos.harness.judge.scenario import builtin_scenarios
+    from kvchaos.harness.report.index import update_index
+    from kvchaos.harness.report.render import publish
 
     scs = [s for s in builtin_scenarios() if names is None or s.name in names]
     with tempfile.TemporaryDirectory() as tmp:
+
         def harness() -> float:
             t = perf()
             for sc in scs:
@@ -543,8 +630,13 @@ def bench_harness_overhead(repeats: int, names: list[str] | None = None, device:
         return _round_robin({"harness": harness, "checking": checking, "alone": alone}, repeats)
 
 
-def run_bench(quick: bool = False, device: str = "cpu", out_json: str | None = None, console=None,
-              threads: int | None = 1) -> dict:
+def run_bench(
+    quick: bool = False,
+    device: str = "cpu",
+    out_json: str | None = None,
+    console=None,
+    threads: int | None = 1,
+) -> dict:
     """Run every benchmark, print a table, write JSON (when out_json is given); return the report.
 
     threads: torch intra-op threads while benchmarking on the CPU (restored afterwards; None keeps
@@ -573,69 +665,163 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
     with console.status("bench: block pool") if console.is_terminal else nullcontext():
         rates = bench_pool_rates(p["pool_n"], p["pool_repeats"])
         m["pool_alloc_free_per_s"] = _metric(
-            "BlockPool alloc+free pairs/s vs list pool", "pairs/s", rates["blockpool"], rates["list"],
-            "bare list pop/append", 3_500_000, ">=")
+            "BlockPool alloc+free pairs/s vs list pool",
+            "pairs/s",
+            rates["blockpool"],
+            rates["list"],
+            "bare list pop/append",
+            3_500_000,
+            ">=",
+        )
         m["pool_vs_nanovllm"] = _metric(
-            "BlockPool alloc+free pairs/s vs nano-vllm", "pairs/s", rates["blockpool"], rates["nanovllm"],
-            "nano-vllm BlockManager style")
+            "BlockPool alloc+free pairs/s vs nano-vllm",
+            "pairs/s",
+            rates["blockpool"],
+            rates["nanovllm"],
+            "nano-vllm BlockManager style",
+        )
 
         scale = bench_pool_scale(p["scale_n"], p["scale_repeats"])
         m["pool_scale_1m_vs_1k"] = _metric(
-            "per-op time, 1M- vs 1k-block pool", "ns/op", scale["plain_large"], scale["plain_small"],
-            "1k-block pool", 1.2, "<=", "ratio", higher_is_better=False)
+            "per-op time, 1M- vs 1k-block pool",
+            "ns/op",
+            scale["plain_large"],
+            scale["plain_small"],
+            "1k-block pool",
+            1.2,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
         m["pool_scale_1m_vs_1k_shared"] = _metric(
-            "per-op time, 1M vs 1k, fork holds block", "ns/op", scale["shared_large"],
-            scale["shared_small"], "1k-block pool", 1.2, "<=", "ratio", higher_is_better=False)
+            "per-op time, 1M vs 1k, fork holds block",
+            "ns/op",
+            scale["shared_large"],
+            scale["shared_small"],
+            "1k-block pool",
+            1.2,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
 
         build = bench_build(1_000_000, p["build_repeats"])
         m["build_1m_blockmanager_s"] = _metric(
-            "build 1M-block BlockManager vs list", "s", build["blockmanager"], build["list"], "bare list(range(1M))",
-            0.1, "<=", higher_is_better=False)
+            "build 1M-block BlockManager vs list",
+            "s",
+            build["blockmanager"],
+            build["list"],
+            "bare list(range(1M))",
+            0.1,
+            "<=",
+            higher_is_better=False,
+        )
 
         dec = bench_decode_bookkeeping(p["decode_steps"], p["decode_repeats"])
         m["decode_bookkeeping_us"] = _metric(
-            "decode bookkeeping, 64 seqs vs nano-vllm", "us/seq/step", dec["blockmanager"], dec["nanovllm"],
-            "nano-vllm may_append", 0.15, "<=", higher_is_better=False)
+            "decode bookkeeping, 64 seqs vs nano-vllm",
+            "us/seq/step",
+            dec["blockmanager"],
+            dec["nanovllm"],
+            "nano-vllm may_append",
+            0.15,
+            "<=",
+            higher_is_better=False,
+        )
 
     with console.status("bench: engine") if console.is_terminal else nullcontext():
         b1 = bench_engine_b1(device, p["b1_steps"], p["b1_warmup"])
         m["engine_decode_b1_steps_per_s"] = _metric(
-            "engine decode steps/s, B=1", "steps/s", 1.0 / b1["step_s"], target=1000, target_op=">=")
+            "engine decode steps/s, B=1", "steps/s", 1.0 / b1["step_s"], target=1000, target_op=">="
+        )
         m["engine_bookkeeping_share_b1"] = _metric(
-            "host bookkeeping share of decode step, B=1", "fraction", b1["bookkeeping_share"], target=0.10,
-            target_op="<=", higher_is_better=False)
+            "host bookkeeping share of decode step, B=1",
+            "fraction",
+            b1["bookkeeping_share"],
+            target=0.10,
+            target_op="<=",
+            higher_is_better=False,
+        )
         m["engine_host_share_b1"] = _metric(
-            "all host work share (+ input tensors), B=1", "fraction", b1["host_share"], higher_is_better=False)
+            "all host work share (+ input tensors), B=1",
+            "fraction",
+            b1["host_share"],
+            higher_is_better=False,
+        )
 
         pc = bench_paged_vs_contiguous(device, p["b8_steps"], p["b8_warmup"])
         m["engine_decode_b8_ctx512_steps_per_s"] = _metric(
-            "engine decode steps/s, B=8 ctx 512 vs contig", "steps/s", 1.0 / pc["engine_step_s"],
-            1.0 / pc["contiguous_step_s"], "contiguous-cache decode")
+            "engine decode steps/s, B=8 ctx 512 vs contig",
+            "steps/s",
+            1.0 / pc["engine_step_s"],
+            1.0 / pc["contiguous_step_s"],
+            "contiguous-cache decode",
+        )
         m["engine_bookkeeping_share_b8_ctx512"] = _metric(
-            "host bookkeeping share, B=8 ctx 512", "fraction", pc["bookkeeping_share"], target=0.10,
-            target_op="<=", higher_is_better=False)
+            "host bookkeeping share, B=8 ctx 512",
+            "fraction",
+            pc["bookkeeping_share"],
+            target=0.10,
+            target_op="<=",
+            higher_is_better=False,
+        )
         m["engine_host_share_b8_ctx512"] = _metric(
-            "all host work share (+ input tensors), B=8", "fraction", pc["host_share"], higher_is_better=False)
+            "all host work share (+ input tensors), B=8",
+            "fraction",
+            pc["host_share"],
+            higher_is_better=False,
+        )
         m["paged_vs_contiguous_b8_ctx512"] = _metric(
-            "paged vs contiguous step, B=8 ctx 512", "ms/step", pc["engine_step_s"] * 1e3,
-            pc["contiguous_step_s"] * 1e3, "contiguous-cache decode", 1.3, "<=", "ratio", higher_is_better=False)
+            "paged vs contiguous step, B=8 ctx 512",
+            "ms/step",
+            pc["engine_step_s"] * 1e3,
+            pc["contiguous_step_s"] * 1e3,
+            "contiguous-cache decode",
+            1.3,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
 
     with console.status("bench: harness overhead") if console.is_terminal else nullcontext():
         ov = bench_harness_overhead(p["overhead_repeats"], p["overhead_scenarios"], device)
         m["harness_checking_suite"] = _metric(
-            "built-in suite: oracle+checkers+history vs alone", "s", ov["checking"], ov["alone"],
-            "engine + workload + faults alone", 1.5, "<=", "ratio", higher_is_better=False)
+            "built-in suite: oracle+checkers+history vs alone",
+            "s",
+            ov["checking"],
+            ov["alone"],
+            "engine + workload + faults alone",
+            1.5,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
         m["harness_overhead_suite"] = _metric(
-            "built-in suite: + run folders, reports vs alone", "s", ov["harness"], ov["alone"],
-            "engine + workload + faults alone", 1.5, "<=", "ratio", higher_is_better=False)
+            "built-in suite: + run folders, reports vs alone",
+            "s",
+            ov["harness"],
+            ov["alone"],
+            "engine + workload + faults alone",
+            1.5,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
 
     report = {
         "meta": {
-            "quick": quick, "device": device, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "elapsed_s": perf() - t_start,
+            "quick": quick,
+            "device": device,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "elapsed_s": perf() - t_start,
             "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "params": p, "gc_disabled_while_timing": True,
+            "params": p,
+            "gc_disabled_while_timing": True,
             "ratio": "measured / baseline; the target applies to target_on (measured or ratio)",
         },
         "metrics": m,
@@ -643,7 +829,7 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             "paged_vs_contiguous_max_abs_logit_err": pc["max_abs_logit_err"],
             "paged_vs_contiguous_first_token_agrees": pc["first_token_agrees"],
             "contiguous_attention": "torch SDPA over [:t+1] of per-layer [B, T, Hkv, D] caches, read in place, "
-                                    "with the paged path's GQA formulation (query group as queries)",
+            "with the paged path's GQA formulation (query group as queries)",
         },
     }
     _print_table(report, console)
@@ -680,10 +866,18 @@ def _print_table(report: dict, console) -> None:
     from rich.table import Table
 
     meta = report["meta"]
-    table = Table(title=f"kvchaos bench ({'quick' if meta['quick'] else 'full'}, device {meta['device']}, "
-                        f"{meta['elapsed_s']:.1f} s)")
-    for col, just in (("metric", "left"), ("measured", "right"), ("baseline", "right"), ("ratio", "right"),
-                      ("target", "right"), ("met", "center")):
+    table = Table(
+        title=f"kvchaos bench ({'quick' if meta['quick'] else 'full'}, device {meta['device']}, "
+        f"{meta['elapsed_s']:.1f} s)"
+    )
+    for col, just in (
+        ("metric", "left"),
+        ("measured", "right"),
+        ("baseline", "right"),
+        ("ratio", "right"),
+        ("target", "right"),
+        ("met", "center"),
+    ):
         table.add_column(col, justify=just)
     for r in report["metrics"].values():
         base = "—" if r["baseline"] is None else _with_unit(r["baseline"], r["unit"])
@@ -691,22 +885,38 @@ def _print_table(report: dict, console) -> None:
         if r["target"] is None:
             target, met = "—", "—"
         else:
-            t = f"{r['target']:g}x" if r["target_on"] == "ratio" else _with_unit(r["target"], r["unit"])
+            t = (
+                f"{r['target']:g}x"
+                if r["target_on"] == "ratio"
+                else _with_unit(r["target"], r["unit"])
+            )
             target = f"{'ratio ' if r['target_on'] == 'ratio' else ''}{r['target_op']} {t}"
             met = "[green]yes[/]" if r["met"] else "[red]no[/]"
         table.add_row(r["label"], _with_unit(r["measured"], r["unit"]), base, ratio, target, met)
     console.print(table)
-    console.print(f"[dim]ratio = measured / baseline. paged vs contiguous max |logit diff|: "
-                  f"{report['checks']['paged_vs_contiguous_max_abs_logit_err']:.2e}[/]")
+    console.print(
+        f"[dim]ratio = measured / baseline. paged vs contiguous max |logit diff|: "
+        f"{report['checks']['paged_vs_contiguous_max_abs_logit_err']:.2e}[/]"
+    )
 
 
 # -- CLI ---------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny repeat counts: runs in a few seconds")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="device for the engine benchmarks (default: cpu)")
-    parser.add_argument("--out", default="reports/bench.json", metavar="PATH",
-                        help="where to write the JSON report (default: reports/bench.json)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny repeat counts: runs in a few seconds"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="device for the engine benchmarks (default: cpu)",
+    )
+    parser.add_argument(
+        "--out",
+        default="reports/bench.json",
+        metavar="PATH",
+        help="where to write the JSON report (default: reports/bench.json)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,11 +2,12 @@
 tri-state result. Each finding names its step, so time to detect is measured per step, and says
 whether the corruption was manifest (outputs diverged) or latent (only structure was wrong).
 A checker that raises gives valid=None (unknown), never a pass."""
+
 from __future__ import annotations
 
 import statistics
 import traceback
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 
@@ -16,8 +17,10 @@ class Finding:
     step: int
     message: str
     evidence: dict = field(default_factory=dict)
-    manifest: bool | None = None  # True: outputs diverged; False: latent (structure only); None: n/a
-    kind: str = ""                # short tag, part of the incident fingerprint
+    manifest: bool | None = (
+        None  # True: outputs diverged; False: latent (structure only); None: n/a
+    )
+    kind: str = ""  # short tag, part of the incident fingerprint
 
 
 @dataclass
@@ -26,7 +29,7 @@ class CheckResult:
     valid: bool | None  # True pass, False findings, None unknown (the checker could not decide)
     findings: list[Finding] = field(default_factory=list)
     error: str | None = None
-    checked: int = 0    # how many things it looked at (steps, snapshots, requests)
+    checked: int = 0  # how many things it looked at (steps, snapshots, requests)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,12 +49,28 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
     results = _of(events, "oracle")
     for o in results:
         if o["first_divergence"] is not None:
-            found.append(Finding("oracle_divergence", o["divergence_step"],
-                                 f"request {o['req']}: logits diverge from the contiguous oracle at generated "
-                                 f"token {o['first_divergence']} (max abs error {o['abs_err_at_divergence']:.3g} "
-                                 f"> tolerance {o['tolerance']:.3g})",
-                                 {k: o[k] for k in ("req", "first_divergence", "abs_err_at_divergence", "tolerance",
-                                                    "max_abs_err", "checked")}, True, "divergence"))
+            found.append(
+                Finding(
+                    "oracle_divergence",
+                    o["divergence_step"],
+                    f"request {o['req']}: logits diverge from the contiguous oracle at generated "
+                    f"token {o['first_divergence']} (max abs error {o['abs_err_at_divergence']:.3g} "
+                    f"> tolerance {o['tolerance']:.3g})",
+                    {
+                        k: o[k]
+                        for k in (
+                            "req",
+                            "first_divergence",
+                            "abs_err_at_divergence",
+                            "tolerance",
+                            "max_abs_err",
+                            "checked",
+                        )
+                    },
+                    True,
+                    "divergence",
+                )
+            )
     return _result("oracle_divergence", found, len(results))
 
 
@@ -75,9 +94,17 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             ref, free, total = e["ref_counts"], e["free"], e["num_blocks"]
             held = sum(1 for r in ref if r > 0)
             if len(free) + held != total or len(set(free)) != len(free):
-                found.append(Finding("block_accounting", s, f"conservation broken: {len(free)} free + {held} "
-                                     f"referenced != {total} blocks", {"free": len(free), "referenced": held,
-                                                                       "total": total}, False, "conservation"))
+                found.append(
+                    Finding(
+                        "block_accounting",
+                        s,
+                        f"conservation broken: {len(free)} free + {held} "
+                        f"referenced != {total} blocks",
+                        {"free": len(free), "referenced": held, "total": total},
+                        False,
+                        "conservation",
+                    )
+                )
             refs = [0] * total
             for blocks in e["seq_blocks"].values():
                 for b in blocks:
@@ -85,29 +112,64 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             wrong = [b for b in range(total) if refs[b] != ref[b]]
             if wrong:
                 orphans = [b for b in wrong if refs[b] == 0]
-                found.append(Finding("block_accounting", s, f"{len(wrong)} blocks whose ref count differs from the "
-                                     f"sequences holding them ({len(orphans)} orphaned)",
-                                     {"blocks": wrong[:32], "orphans": orphans[:32]}, False, "refcount"))
+                found.append(
+                    Finding(
+                        "block_accounting",
+                        s,
+                        f"{len(wrong)} blocks whose ref count differs from the "
+                        f"sequences holding them ({len(orphans)} orphaned)",
+                        {"blocks": wrong[:32], "orphans": orphans[:32]},
+                        False,
+                        "refcount",
+                    )
+                )
             busy = [b for b in free if ref[b] != 0]
             if busy:
-                found.append(Finding("block_accounting", s, f"free blocks with a non-zero ref count: {busy[:8]}",
-                                     {"blocks": busy[:32]}, False, "free_referenced"))
+                found.append(
+                    Finding(
+                        "block_accounting",
+                        s,
+                        f"free blocks with a non-zero ref count: {busy[:8]}",
+                        {"blocks": busy[:32]},
+                        False,
+                        "free_referenced",
+                    )
+                )
             for req, blocks in e["seq_blocks"].items():
                 if req in ended and req not in seen_leaks:
                     seen_leaks.add(req)
                     c = cancels.get(req)
-                    how = f"cancelled at step {c['step']} in phase {c['phase']}" if c else f"ended at step {ended[req]}"
-                    found.append(Finding("block_accounting", s, f"request {req} {how} but still holds "
-                                         f"{len(blocks)} blocks: leaked", {"req": req, "blocks": blocks,
-                                                                          "cancel": c}, False, "leak"))
+                    how = (
+                        f"cancelled at step {c['step']} in phase {c['phase']}"
+                        if c
+                        else f"ended at step {ended[req]}"
+                    )
+                    found.append(
+                        Finding(
+                            "block_accounting",
+                            s,
+                            f"request {req} {how} but still holds {len(blocks)} blocks: leaked",
+                            {"req": req, "blocks": blocks, "cancel": c},
+                            False,
+                            "leak",
+                        )
+                    )
     end = _of(events, "run_end")
     last = [e for e in events if e.get("e") == "snapshot"]
     if end and last and end[-1].get("reason") == "done":
         s = last[-1]
         if len(s["free"]) != s["num_blocks"]:
-            found.append(Finding("block_accounting", s["step"], f"end of run: {s['num_blocks'] - len(s['free'])} "
-                                 f"blocks never returned to the pool", {"free": len(s["free"]),
-                                                                        "total": s["num_blocks"]}, False, "end_leak"))
+            found.append(
+                Finding(
+                    "block_accounting",
+                    s["step"],
+                    f"end of run: {s['num_blocks'] - len(s['free'])} "
+                    f"blocks never returned to the pool",
+                    {"free": len(s["free"]), "total": s["num_blocks"]},
+                    False,
+                    "end_leak",
+                )
+            )
     return _result("block_accounting", found, snaps)
 
 
@@ -120,14 +182,22 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
         table, w, s = e["table"], e["table_width"], e["step"]
         owner = {row: req for req, row in e["seq_rows"].items()}
         for row in range(len(table) // w):
-            got = table[row * w:(row + 1) * w]
+            got = table[row * w : (row + 1) * w]
             req = owner.get(row)
             blocks = e["seq_blocks"].get(req, []) if req is not None else []
             if len(blocks) > w and ("overlong", req) not in reported:
                 reported.add(("overlong", req))
-                found.append(Finding("table_integrity", s, f"request {req} holds {len(blocks)} blocks but its row "
-                                     f"is {w} wide: entries past the row spill into row {row + 1}",
-                                     {"req": req, "row": row, "blocks": len(blocks), "width": w}, False, "overlong"))
+                found.append(
+                    Finding(
+                        "table_integrity",
+                        s,
+                        f"request {req} holds {len(blocks)} blocks but its row "
+                        f"is {w} wide: entries past the row spill into row {row + 1}",
+                        {"req": req, "row": row, "blocks": len(blocks), "width": w},
+                        False,
+                        "overlong",
+                    )
+                )
             want = (blocks + [-1] * w)[:w]
             if got != want:
                 bad = [i for i in range(w) if got[i] != want[i]]
@@ -137,19 +207,40 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                 reported.add(key)
                 intruders = sorted({got[i] for i in bad if got[i] != -1} - set(blocks))
                 who = f"request {req}" if req is not None else "no sequence"
-                found.append(Finding("table_integrity", s, f"row {row} ({who}) holds blocks it does not own "
-                                     f"{intruders[:8]} at entries {bad[:8]}",
-                                     {"row": row, "owner": req, "entries": bad, "row_now": got, "row_expected": want,
-                                      "intruders": intruders}, False, "foreign_block"))
+                found.append(
+                    Finding(
+                        "table_integrity",
+                        s,
+                        f"row {row} ({who}) holds blocks it does not own "
+                        f"{intruders[:8]} at entries {bad[:8]}",
+                        {
+                            "row": row,
+                            "owner": req,
+                            "entries": bad,
+                            "row_now": got,
+                            "row_expected": want,
+                            "intruders": intruders,
+                        },
+                        False,
+                        "foreign_block",
+                    )
+                )
     return _result("table_integrity", found, snaps)
 
 
 def _rolling_min(xs: list[float], w: int) -> list[float]:
-    return [min(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
+    return [min(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
 
 
-def check_latency(events: list[dict], slo_ratio: float = 2.0, window: int = 8, baseline_steps: int = 12,
-                  sustain: int = 4, floor_s: float = 5e-4, signal: str = "host_s") -> CheckResult:
+def check_latency(
+    events: list[dict],
+    slo_ratio: float = 2.0,
+    window: int = 8,
+    baseline_steps: int = 12,
+    sustain: int = 4,
+    floor_s: float = 5e-4,
+    signal: str = "host_s",
+) -> CheckResult:
     """Per-step latency against the run's own early baseline (median of the first decode-only steps);
     a finding when even the fastest of the last `window` steps stays above slo_ratio x baseline (and
     above it by floor_s) for `sustain` steps. A neighbour on a shared machine only ever adds time,
@@ -158,9 +249,15 @@ def check_latency(events: list[dict], slo_ratio: float = 2.0, window: int = 8, b
     step field judged: host_s (the default: the step's host side, i.e. scheduling, bookkeeping and
     the table upload, which does not grow with the batch's compute), latency_s (the whole step,
     wall clock) or cpu_s (the engine thread's CPU time)."""
-    steps = [e for e in _of(events, "step") if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0]
+    steps = [
+        e
+        for e in _of(events, "step")
+        if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
+    ]
     if len(steps) < baseline_steps + sustain:
-        return CheckResult("latency", True, [], None, len(steps))  # too short to judge a trend: nothing seen
+        return CheckResult(
+            "latency", True, [], None, len(steps)
+        )  # too short to judge a trend: nothing seen
     lat = [e[signal] for e in steps]
     base = statistics.median(lat[:baseline_steps])
     low = _rolling_min(lat, window)
@@ -171,20 +268,44 @@ def check_latency(events: list[dict], slo_ratio: float = 2.0, window: int = 8, b
         if run >= sustain:
             start = i - sustain + 1
             # where the climb began: the first step after the baseline above the midpoint
-            climb = next((steps[j]["step"] for j in range(baseline_steps, i + 1) if lat[j] > (base + limit) / 2),
-                         steps[start]["step"])
+            climb = next(
+                (
+                    steps[j]["step"]
+                    for j in range(baseline_steps, i + 1)
+                    if lat[j] > (base + limit) / 2
+                ),
+                steps[start]["step"],
+            )
             plateau = statistics.median(lat[i:])
-            roll = statistics.median(lat[max(0, i - window + 1):i + 1])
-            return _result("latency", [Finding(
-                "latency", steps[i]["step"],
-                f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to {low[i] * 1e3:.2f} ms even in the "
-                f"fastest of the last {window} steps (x{low[i] / base:.1f}), plateau "
-                f"{plateau * 1e3:.2f} ms, sustained from step {steps[start]['step']}",
-                {"signal": signal, "baseline_ms": base * 1e3, "rolling_min_ms": low[i] * 1e3,
-                 "rolling_median_ms": roll * 1e3, "plateau_ms": plateau * 1e3,
-                 "ratio": low[i] / base, "climb_started_step": climb, "slo_ratio": slo_ratio,
-                 "window": [steps[j]["step"] for j in range(max(0, i - window + 1), i + 1)]},
-                None, "latency_climb")], len(steps))
+            roll = statistics.median(lat[max(0, i - window + 1) : i + 1])
+            return _result(
+                "latency",
+                [
+                    Finding(
+                        "latency",
+                        steps[i]["step"],
+                        f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to {low[i] * 1e3:.2f} ms even in the "
+                        f"fastest of the last {window} steps (x{low[i] / base:.1f}), plateau "
+                        f"{plateau * 1e3:.2f} ms, sustained from step {steps[start]['step']}",
+                        {
+                            "signal": signal,
+                            "baseline_ms": base * 1e3,
+                            "rolling_min_ms": low[i] * 1e3,
+                            "rolling_median_ms": roll * 1e3,
+                            "plateau_ms": plateau * 1e3,
+                            "ratio": low[i] / base,
+                            "climb_started_step": climb,
+                            "slo_ratio": slo_ratio,
+                            "window": [
+                                steps[j]["step"] for j in range(max(0, i - window + 1), i + 1)
+                            ],
+                        },
+                        None,
+                        "latency_climb",
+                    )
+                ],
+                len(steps),
+            )
     return CheckResult("latency", True, [], None, len(steps))
 
 
@@ -198,10 +319,22 @@ def check_cross_rank(events: list[dict]) -> CheckResult:
         n += 1
         bad = [r for r, c in enumerate(crcs) if c != e["table_crc"]]
         if bad:
-            found.append(Finding("cross_rank", e["step"], f"ranks {bad} computed step {e['step']} on a block table "
-                                 f"that differs from the scheduler's (version {e['table_version']})",
-                                 {"ranks": bad, "rank_crcs": crcs, "table_crc": e["table_crc"],
-                                  "stale_ranks": e.get("stale_ranks", [])}, None, "stale_table"))
+            found.append(
+                Finding(
+                    "cross_rank",
+                    e["step"],
+                    f"ranks {bad} computed step {e['step']} on a block table "
+                    f"that differs from the scheduler's (version {e['table_version']})",
+                    {
+                        "ranks": bad,
+                        "rank_crcs": crcs,
+                        "table_crc": e["table_crc"],
+                        "stale_ranks": e.get("stale_ranks", []),
+                    },
+                    None,
+                    "stale_table",
+                )
+            )
     return _result("cross_rank", found, n)
 
 
@@ -223,15 +356,32 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
                 first_token.setdefault(r, e["step"])
             for r, s in submitted.items():
                 if r not in ended and r not in first_token and e["step"] - s == bound_steps:
-                    found.append(Finding("liveness", e["step"], f"request {r} submitted at step {s} has produced "
-                                         f"nothing in {bound_steps} steps: starved", {"req": r, "submitted": s},
-                                         None, "starvation"))
+                    found.append(
+                        Finding(
+                            "liveness",
+                            e["step"],
+                            f"request {r} submitted at step {s} has produced "
+                            f"nothing in {bound_steps} steps: starved",
+                            {"req": r, "submitted": s},
+                            None,
+                            "starvation",
+                        )
+                    )
     end = _of(events, "run_end")
     if end and end[-1]["reason"] in ("done", "max_steps"):
         stuck = sorted(r for r in submitted if r not in ended)
         if stuck:
-            found.append(Finding("liveness", last_step, f"{len(stuck)} requests never finished by the end of the run "
-                                 f"({end[-1]['reason']}): {stuck[:8]}", {"requests": stuck}, None, "unfinished"))
+            found.append(
+                Finding(
+                    "liveness",
+                    last_step,
+                    f"{len(stuck)} requests never finished by the end of the run "
+                    f"({end[-1]['reason']}): {stuck[:8]}",
+                    {"requests": stuck},
+                    None,
+                    "unfinished",
+                )
+            )
     return _result("liveness", found, len(submitted))
 
 

@@ -23,6 +23,7 @@ Kinds and their fields:
   error      error, message, traceback
   run_end    reason (done | max_steps | interrupted | error), counters, fault_verify
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,19 +84,26 @@ def iter_history(path: str | Path) -> Iterator[dict]:
 
 # Fields that measure time or the machine: they vary run to run; everything else must not.
 # Left out at any depth of an event's dicts (an engine event's data may carry the process id).
-UNSTABLE_KEYS = frozenset({"latency_s", "host_s", "cpu_s", "time", "wall_s", "telemetry", "commit", "device_name",
-                           "pid"})
+UNSTABLE_KEYS = frozenset(
+    {"latency_s", "host_s", "cpu_s", "time", "wall_s", "telemetry", "commit", "device_name", "pid"}
+)
 
 
 def _stable(d: dict) -> dict:
-    return {k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in UNSTABLE_KEYS}
+    return {
+        k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in UNSTABLE_KEYS
+    }
 
 
 def _has_unstable(d: dict) -> bool:
-    return not UNSTABLE_KEYS.isdisjoint(d) or any(_has_unstable(v) for v in d.values() if isinstance(v, dict))
+    return not UNSTABLE_KEYS.isdisjoint(d) or any(
+        _has_unstable(v) for v in d.values() if isinstance(v, dict)
+    )
 
 
-_encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
+_encode = json.JSONEncoder(
+    separators=(",", ":")
+).encode  # one encoder: json.dumps with options builds one per call
 
 
 def _stable_line(event: dict) -> bytes:

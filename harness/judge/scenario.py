@@ -1,5 +1,6 @@
 """Scenario files: TOML, validated on load. A bad file gets one error naming the file, the key and
 what is allowed."""
+
 from __future__ import annotations
 
 import csv
@@ -20,7 +21,14 @@ from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
-CHECKERS = ("oracle_divergence", "block_accounting", "table_integrity", "latency", "cross_rank", "liveness")
+CHECKERS = (
+    "oracle_divergence",
+    "block_accounting",
+    "table_integrity",
+    "latency",
+    "cross_rank",
+    "liveness",
+)
 
 
 class ScenarioError(KVChaosError, ValueError):
@@ -33,13 +41,13 @@ class _Strict(BaseModel):
 
 class LengthDist(_Strict):
     dist: Literal["fixed", "uniform", "lognormal", "bimodal"] = "uniform"
-    value: int = 16          # fixed
-    min: int = 1             # uniform / clip
-    max: int = 64            # uniform / clip
-    median: float = 16.0     # lognormal
-    sigma: float = 0.5       # lognormal
+    value: int = 16  # fixed
+    min: int = 1  # uniform / clip
+    max: int = 64  # uniform / clip
+    median: float = 16.0  # lognormal
+    sigma: float = 0.5  # lognormal
     modes: tuple[int, int] = (8, 48)  # bimodal
-    weight: float = 0.5      # bimodal: share of the first mode
+    weight: float = 0.5  # bimodal: share of the first mode
 
     @model_validator(mode="after")
     def _check(self):
@@ -49,33 +57,35 @@ class LengthDist(_Strict):
 
 
 class CancelSpec(_Strict):
-    rate: float = Field(0.0, ge=0.0, le=1.0)   # share of requests cancelled at a random later step
-    phases: list[Literal["waiting", "prefill", "decode", "preempted", "shared"]] = []  # one targeted cancel each
+    rate: float = Field(0.0, ge=0.0, le=1.0)  # share of requests cancelled at a random later step
+    phases: list[
+        Literal["waiting", "prefill", "decode", "preempted", "shared"]
+    ] = []  # one targeted cancel each
     storm_step: int | None = Field(None, ge=1)  # cancel every live request at this step
     storm_fraction: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class Workload(_Strict):
     num_requests: int = Field(16, ge=0)
-    arrival_rate: float = Field(1.0, gt=0.0)   # mean requests per step (Poisson)
+    arrival_rate: float = Field(1.0, gt=0.0)  # mean requests per step (Poisson)
     prompt_len: LengthDist = LengthDist(dist="uniform", min=4, max=32)
     output_len: LengthDist = LengthDist(dist="uniform", min=4, max=32)
-    lengths_file: str | None = None            # CSV or JSONL of (prompt_len, output_len), replayed in order
-    fork_groups: int = Field(0, ge=0)          # requests forked from a running parent, sharing its prefix
+    lengths_file: str | None = None  # CSV or JSONL of (prompt_len, output_len), replayed in order
+    fork_groups: int = Field(0, ge=0)  # requests forked from a running parent, sharing its prefix
     fork_extra_tokens: int = Field(4, ge=0)
     cancel: CancelSpec = CancelSpec()
 
 
 class FaultSpec(_Strict):
     name: Literal["table_overflow", "refcount_leak", "staging_stall", "ordering_race"]
-    defect: bool = True                        # plant the defect, or only pull the trigger
+    defect: bool = True  # plant the defect, or only pull the trigger
     params: dict = {}
 
 
 class Expectation(_Strict):
     outcome: Literal["clean", "detect"] = "clean"
-    checkers: list[str] = []                   # detect: any one of these must fire ...
-    within_steps: int = Field(20, ge=0)        # ... within this many steps of the defect firing
+    checkers: list[str] = []  # detect: any one of these must fire ...
+    within_steps: int = Field(20, ge=0)  # ... within this many steps of the defect firing
 
     @model_validator(mode="after")
     def _check(self):
@@ -90,9 +100,11 @@ class Expectation(_Strict):
 class Run(_Strict):
     max_steps: int = Field(400, ge=1)
     snapshot_every: int = Field(1, ge=1)
-    latency_slo_ratio: float = Field(2.0, gt=1.0)   # latency checker: sustained ratio to the early baseline
+    latency_slo_ratio: float = Field(
+        2.0, gt=1.0
+    )  # latency checker: sustained ratio to the early baseline
     latency_signal: Literal["host_s", "latency_s", "cpu_s"] = "host_s"  # the step timing it judges
-    liveness_bound_steps: int = Field(200, ge=1)    # a request waiting longer than this is starved
+    liveness_bound_steps: int = Field(200, ge=1)  # a request waiting longer than this is starved
 
 
 class ScenarioMeta(_Strict):
@@ -104,7 +116,7 @@ class ScenarioMeta(_Strict):
 
 class Scenario(_Strict):
     scenario: ScenarioMeta
-    engine: dict = {}       # EngineConfig fields; model and cache as nested tables
+    engine: dict = {}  # EngineConfig fields; model and cache as nested tables
     workload: Workload = Workload()
     faults: list[FaultSpec] = []
     expect: Expectation = Expectation()
@@ -137,7 +149,9 @@ class Scenario(_Strict):
         if self.expect.outcome == "detect" and not planted:
             raise ValueError("expect.outcome 'detect' needs a fault with defect = true")
         if self.expect.outcome == "clean" and planted:
-            raise ValueError("expect.outcome 'clean' with a planted defect: use 'detect', or set defect = false")
+            raise ValueError(
+                "expect.outcome 'clean' with a planted defect: use 'detect', or set defect = false"
+            )
         try:
             self.engine_config()
         except TypeError as e:
@@ -153,11 +167,18 @@ _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
 def _check_engine_section(engine: dict) -> None:
     """The [engine] table and its model / cache tables: known keys, values of the field's type."""
-    for where, cls, data in (("engine", EngineConfig, engine), ("engine.model", ModelConfig, engine.get("model", {})),
-                             ("engine.cache", CacheConfig, engine.get("cache", {}))):
+    for where, cls, data in (
+        ("engine", EngineConfig, engine),
+        ("engine.model", ModelConfig, engine.get("model", {})),
+        ("engine.cache", CacheConfig, engine.get("cache", {})),
+    ):
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a table, got {data!r}")
-        fields = {f.name: f.type for f in dataclasses.fields(cls) if f.name not in ("seed", "model", "cache")}
+        fields = {
+            f.name: f.type
+            for f in dataclasses.fields(cls)
+            if f.name not in ("seed", "model", "cache")
+        }
         for key, value in data.items():
             if cls is EngineConfig and key in ("model", "cache"):
                 continue
@@ -181,7 +202,11 @@ def _allowed_keys(loc: tuple) -> list[str]:
             continue
         field = model.model_fields.get(part)
         ann = field.annotation if field else None
-        sub = [a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        sub = [
+            a
+            for a in (ann, *typing.get_args(ann))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
         if not sub:
             return []
         model = sub[0]
@@ -203,9 +228,14 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
             msg = f"{msg}, got {err.get('input')!r}"
         where = f"{_where(err['loc'])}: " if err["loc"] else ""  # top-level checks name their key
         raise ScenarioError(f"{source}: {where}{msg}{more}") from None
-    from kvchaos.faults import REGISTRY, ParamError  # here, not at the top: faults imports the workload, which imports this
+    from kvchaos.faults import (
+        REGISTRY,
+        ParamError,
+    )  # here, not at the top: faults imports the workload, which imports this
 
-    for i, f in enumerate(sc.faults):  # names and values, now rather than as an ERROR when the run arms it
+    for i, f in enumerate(
+        sc.faults
+    ):  # names and values, now rather than as an ERROR when the run arms it
         try:
             REGISTRY[f.name].check_params(f.params, sc.engine_config())
         except ParamError as e:
@@ -226,14 +256,22 @@ def load_scenario(path: str | Path) -> Scenario:
         if named.exists():
             p = named
         else:
-            raise ScenarioError(f"{path}: no such scenario file or built-in scenario "
-                                f"(built-ins: {', '.join(s.name for s in builtin_scenarios())})")
+            raise ScenarioError(
+                f"{path}: no such scenario file or built-in scenario "
+                f"(built-ins: {', '.join(s.name for s in builtin_scenarios())})"
+            )
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{p}: not valid TOML: {e}") from None
-    lf = data.get("workload", {}).get("lengths_file") if isinstance(data.get("workload"), dict) else None
-    if isinstance(lf, str) and not Path(lf).is_absolute():  # relative to the scenario file, not the cwd
+    lf = (
+        data.get("workload", {}).get("lengths_file")
+        if isinstance(data.get("workload"), dict)
+        else None
+    )
+    if (
+        isinstance(lf, str) and not Path(lf).is_absolute()
+    ):  # relative to the scenario file, not the cwd
         data["workload"]["lengths_file"] = str(p.parent / lf)
     return parse_scenario(data, str(p))
 
@@ -257,7 +295,9 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
                     r = json.loads(line)
                     out.append((n, int(r["prompt_len"]), int(r["output_len"])))
                 except (ValueError, KeyError, TypeError):
-                    raise ScenarioError(f"{path}:{n}: expected {{\"prompt_len\": int, \"output_len\": int}}") from None
+                    raise ScenarioError(
+                        f'{path}:{n}: expected {{"prompt_len": int, "output_len": int}}'
+                    ) from None
     else:
         for n, row in enumerate(csv.reader(text.splitlines()), 1):
             if not row or (n == 1 and not row[0].strip().lstrip("+-").isdigit()):
@@ -268,7 +308,9 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
                 raise ScenarioError(f"{path}:{n}: expected prompt_len,output_len") from None
     for n, a, b in out:
         if a < 1 or b < 1:
-            raise ScenarioError(f"{path}:{n}: lengths must be >= 1, got prompt_len={a} output_len={b}")
+            raise ScenarioError(
+                f"{path}:{n}: lengths must be >= 1, got prompt_len={a} output_len={b}"
+            )
     if not out:
         raise ScenarioError(f"{path}: no lengths in the file")
     return [(a, b) for _, a, b in out]

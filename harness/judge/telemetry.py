@@ -12,6 +12,7 @@ report can print as they are.
 
 `python -m kvchaos.harness.bench.telemetry` measures the overhead: the built-in suite with and without telemetry.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,6 +48,7 @@ class _Process:
     def __init__(self) -> None:
         try:
             import psutil
+
             self._rss = lambda p=psutil.Process(): p.memory_info().rss
             self.source = "psutil"
         except ImportError:
@@ -62,13 +64,26 @@ class _Process:
     def read(self) -> dict:
         now, cpu = time.monotonic(), sum(os.times()[:2])
         (t0, c0), self._last = self._last, (now, cpu)
-        return {"rss_mb": round(self._rss() / 2**20, 1), "cpu_pct": round(100 * (cpu - c0) / max(now - t0, 1e-9), 1)}
+        return {
+            "rss_mb": round(self._rss() / 2**20, 1),
+            "cpu_pct": round(100 * (cpu - c0) / max(now - t0, 1e-9), 1),
+        }
 
 
 class Telemetry:
-    def __init__(self, device: str | None = "cpu", every_steps: int = 10, min_interval_s: float = 0.5,
-                 enabled: bool = True, clock=time.monotonic) -> None:
-        self.enabled, self.every_steps, self.min_interval_s = enabled, max(1, every_steps), min_interval_s
+    def __init__(
+        self,
+        device: str | None = "cpu",
+        every_steps: int = 10,
+        min_interval_s: float = 0.5,
+        enabled: bool = True,
+        clock=time.monotonic,
+    ) -> None:
+        self.enabled, self.every_steps, self.min_interval_s = (
+            enabled,
+            max(1, every_steps),
+            min_interval_s,
+        )
         self.clock = clock
         self.samples, self.cost_s = 0, 0.0
         self._last_step = self._last_t = None
@@ -90,15 +105,21 @@ class Telemetry:
     @classmethod
     def from_env(cls, device: str | None) -> "Telemetry":
         env = os.environ.get
-        return cls(device, every_steps=int(env("KVCHAOS_TELEMETRY_EVERY", "10")),
-                   min_interval_s=float(env("KVCHAOS_TELEMETRY_INTERVAL_S", "0.5")),
-                   enabled=env("KVCHAOS_TELEMETRY", "1") not in ("0", "", "off", "false"))
+        return cls(
+            device,
+            every_steps=int(env("KVCHAOS_TELEMETRY_EVERY", "10")),
+            min_interval_s=float(env("KVCHAOS_TELEMETRY_INTERVAL_S", "0.5")),
+            enabled=env("KVCHAOS_TELEMETRY", "1") not in ("0", "", "off", "false"),
+        )
 
     def _open_gpu(self, nv, device: str) -> None:
         import torch
 
-        index = int(device.split(":")[1]) if ":" in device else (torch.cuda.current_device()
-                                                                  if torch.cuda.is_available() else 0)
+        index = (
+            int(device.split(":")[1])
+            if ":" in device
+            else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        )
         self._cuda_index = index if torch.cuda.is_available() else None
         try:
             try:  # match by UUID: CUDA and NVML number devices differently under CUDA_VISIBLE_DEVICES
@@ -123,14 +144,23 @@ class Telemetry:
 
     def status(self) -> dict:
         """Run-level: what is sampled, or why the GPU is not."""
-        return {"enabled": self.enabled, "available": self.available, "reason": self.reason,
-                "gpu": self.gpu_name, "process": self._proc.source if self._proc else None,
-                "every_steps": self.every_steps, "min_interval_s": self.min_interval_s}
+        return {
+            "enabled": self.enabled,
+            "available": self.available,
+            "reason": self.reason,
+            "gpu": self.gpu_name,
+            "process": self._proc.source if self._proc else None,
+            "every_steps": self.every_steps,
+            "min_interval_s": self.min_interval_s,
+        }
 
     def summary(self) -> dict:
-        return {"samples": self.samples, "cost_s": round(self.cost_s, 6),
-                "mean_sample_us": round(1e6 * self.cost_s / self.samples, 1) if self.samples else None,
-                "unsupported": getattr(self, "unsupported", [])}
+        return {
+            "samples": self.samples,
+            "cost_s": round(self.cost_s, 6),
+            "mean_sample_us": round(1e6 * self.cost_s / self.samples, 1) if self.samples else None,
+            "unsupported": getattr(self, "unsupported", []),
+        }
 
     def sample(self) -> dict:
         t0 = time.perf_counter()
@@ -143,6 +173,7 @@ class Telemetry:
                 self.unsupported.append(name)
         if self._cuda_index is not None:
             import torch
+
             s["torch_alloc_mb"] = round(torch.cuda.memory_allocated(self._cuda_index) / 2**20, 1)
         dt = time.perf_counter() - t0
         self.samples += 1
@@ -155,7 +186,10 @@ class Telemetry:
             return False
         if self._last_step is None:
             return True
-        return step - self._last_step >= self.every_steps and self.clock() - self._last_t >= self.min_interval_s
+        return (
+            step - self._last_step >= self.every_steps
+            and self.clock() - self._last_t >= self.min_interval_s
+        )
 
     def step_fields(self, step: int) -> dict:
         """{"telemetry": sample} when a sample is due at this step, else {}: merged into the step event."""

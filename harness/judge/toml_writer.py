@@ -1,6 +1,7 @@
 """A small TOML writer for scenario dicts (tomllib only reads). Top-level tables become [sections],
 lists of tables [[sections]], anything nested deeper an inline table. TOML has no null, so None
 is refused rather than silently dropped (a dropped key would mean "the default")."""
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,11 @@ def _value(v, where: str) -> str:
     if isinstance(v, dict):
         if not v:
             return "{}"
-        return "{ " + ", ".join(f"{_key(k)} = {_value(x, f'{where}.{k}')}" for k, x in v.items()) + " }"
+        return (
+            "{ "
+            + ", ".join(f"{_key(k)} = {_value(x, f'{where}.{k}')}" for k, x in v.items())
+            + " }"
+        )
     raise ValueError(f"{where}: cannot write a {type(v).__name__} as TOML")
 
 

@@ -1,9 +1,16 @@
 """The verdict of one run: scenario expectation x checker results x fault.verify()."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PASS, MISSED, FALSE_ALARM, INCONCLUSIVE, ERROR = "PASS", "MISSED", "FALSE_ALARM", "INCONCLUSIVE", "ERROR"
+PASS, MISSED, FALSE_ALARM, INCONCLUSIVE, ERROR = (
+    "PASS",
+    "MISSED",
+    "FALSE_ALARM",
+    "INCONCLUSIVE",
+    "ERROR",
+)
 EXIT_CODES = {PASS: 0, MISSED: 10, FALSE_ALARM: 11, INCONCLUSIVE: 12, ERROR: 13}
 # For many runs: the exit code of the most serious verdict seen.
 SEVERITY = [MISSED, FALSE_ALARM, ERROR, INCONCLUSIVE, PASS]
@@ -37,13 +44,18 @@ def decide(sc, checks: list, verify: dict, error: dict | None) -> Verdict:
     if error:
         return Verdict(ERROR, f"run error: {error['error']}: {error['message']}", {})
     if unknown:
-        return Verdict(ERROR, f"checker(s) could not decide: {', '.join(c.checker for c in unknown)}", {})
+        return Verdict(
+            ERROR, f"checker(s) could not decide: {', '.join(c.checker for c in unknown)}", {}
+        )
     planted = {f.name: verify.get(f.name, {}) for f in sc.faults if f.defect}
     if not planted:
         if fired_checks:
             first = min((f for c in fired_checks for f in c.findings), key=lambda f: f.step)
-            return Verdict(FALSE_ALARM, f"{first.checker} fired with nothing planted (step {first.step}): "
-                           f"{first.message}", {})
+            return Verdict(
+                FALSE_ALARM,
+                f"{first.checker} fired with nothing planted (step {first.step}): {first.message}",
+                {},
+            )
         if sc.expect.outcome == "detect":
             return Verdict(INCONCLUSIVE, "expected a detection but no defect is planted", {})
         return Verdict(PASS, f"clean: {len(checks)} checkers held", {})
@@ -54,15 +66,28 @@ def decide(sc, checks: list, verify: dict, error: dict | None) -> Verdict:
     by_name = {c.checker: c for c in checks}
     for name, v in planted.items():
         start = v["first_step"]
-        steps = [f.step - start for c in sc.expect.checkers for f in by_name[c].findings if f.step >= start]
+        steps = [
+            f.step - start
+            for c in sc.expect.checkers
+            for f in by_name[c].findings
+            if f.step >= start
+        ]
         if steps and min(steps) <= sc.expect.within_steps:
             ttd[name] = min(steps)
         else:
             late = f" (first after {min(steps)} steps)" if steps else ""
             missed.append(f"{name}{late}")
     if missed:
-        return Verdict(MISSED, f"fired but not caught by {sc.expect.checkers} within {sc.expect.within_steps} "
-                       f"steps: {', '.join(missed)}", ttd)
+        return Verdict(
+            MISSED,
+            f"fired but not caught by {sc.expect.checkers} within {sc.expect.within_steps} "
+            f"steps: {', '.join(missed)}",
+            ttd,
+        )
     caught = sorted({c.checker for c in fired_checks if c.checker in sc.expect.checkers})
-    return Verdict(PASS, f"planted, fired and caught by {', '.join(caught)} "
-                   f"(time to detect: {', '.join(f'{k} {v} steps' for k, v in ttd.items())})", ttd)
+    return Verdict(
+        PASS,
+        f"planted, fired and caught by {', '.join(caught)} "
+        f"(time to detect: {', '.join(f'{k} {v} steps' for k, v in ttd.items())})",
+        ttd,
+    )

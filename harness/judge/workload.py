@@ -1,5 +1,6 @@
 """Seeded workloads: arrivals, prompt and output lengths, shared-prefix forks, cancel schedules.
 The same seed gives the same plan. Faults add their triggers to the plan before the run."""
+
 from __future__ import annotations
 
 import math
@@ -31,14 +32,27 @@ def build_plan(w: Workload, vocab: int, seed: int) -> Plan:
     submitted: list[Action] = []
     for i in range(n):
         t += rng.expovariate(w.arrival_rate)
-        p, o = lengths[i] if lengths else (sample_length(w.prompt_len, rng), sample_length(w.output_len, rng))
+        p, o = (
+            lengths[i]
+            if lengths
+            else (sample_length(w.prompt_len, rng), sample_length(w.output_len, rng))
+        )
         a = Action(int(t), "submit", f"r{i}", plan.prompt(p), o)
         plan.add(a)
         submitted.append(a)
     for g in range(min(w.fork_groups, len(submitted))):
         parent = submitted[rng.randrange(len(submitted))]
-        plan.add(Action(parent.step + 1, "fork", f"f{g}", plan.prompt(w.fork_extra_tokens),
-                        sample_length(w.output_len, rng), parent=parent.req, when="decode"))
+        plan.add(
+            Action(
+                parent.step + 1,
+                "fork",
+                f"f{g}",
+                plan.prompt(w.fork_extra_tokens),
+                sample_length(w.output_len, rng),
+                parent=parent.req,
+                when="decode",
+            )
+        )
     c = w.cancel
     for a in submitted:
         if rng.random() < c.rate:

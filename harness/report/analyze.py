@@ -2,6 +2,7 @@
 again (with the options of RUN_DIR/scenario.toml), recompute the verdict with the fault evidence of
 the run_end event, and rewrite results.json, the incident-NNN.md files, report.html and the index of
 the folder above. Exits with the verdict's exit code."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from kvchaos.harness.report.index import update_index
 from kvchaos.harness.report.render import write_reports
 from kvchaos.harness.report.view import RunView
 
-
 # -- kvchaos analyze ------------------------------------------------------------------------
+
 
 def _scenario_of(run_dir: Path, name: str | None):
     from kvchaos.harness.judge.scenario import load_scenario
@@ -24,7 +25,9 @@ def _scenario_of(run_dir: Path, name: str | None):
     if stored.is_file():
         return load_scenario(stored)
     if not name:
-        raise KVChaosError(f"{run_dir}: no scenario.toml and no scenario name in the history: cannot re-check it")
+        raise KVChaosError(
+            f"{run_dir}: no scenario.toml and no scenario name in the history: cannot re-check it"
+        )
     try:
         return load_scenario(name)
     except KVChaosError as e:
@@ -38,7 +41,9 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "history.jsonl").is_file():
         why = "no such folder" if not run_dir.exists() else "no history.jsonl in it"
-        raise KVChaosError(f"{run_dir}: not a run folder ({why}; `kvchaos run` makes them under --report-dir)")
+        raise KVChaosError(
+            f"{run_dir}: not a run folder ({why}; `kvchaos run` makes them under --report-dir)"
+        )
     events = read_history(run_dir / "history.jsonl")
     v = RunView(events)
     try:
@@ -46,26 +51,42 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
     except FileNotFoundError:
         stored = {}
     except ValueError as e:
-        raise KVChaosError(f"{run_dir}/results.json: not valid JSON ({e}); move it aside to rebuild it") from None
+        raise KVChaosError(
+            f"{run_dir}/results.json: not valid JSON ({e}); move it aside to rebuild it"
+        ) from None
     sc = _scenario_of(run_dir, v.start.get("scenario") or stored.get("scenario"))
     errs = v.by.get("error", [])
     error = {k: errs[0].get(k, "") for k in ("error", "message", "traceback")} if errs else None
     if v.end is None and error is None:
-        error = {"error": "Truncated", "message": "history.jsonl has no run_end event: the run was cut short",
-                 "traceback": ""}
+        error = {
+            "error": "Truncated",
+            "message": "history.jsonl has no run_end event: the run was cut short",
+            "traceback": "",
+        }
     verify = v.end["fault_verify"] if v.end else {}
     checks, verdict = evaluate(sc, events, verify, error)
     seed = v.start.get("seed", stored.get("seed"))
     device = v.start.get("device", stored.get("device", "cpu"))
     results = {
-        **stored, "scenario": sc.name, "seed": seed, "verdict": verdict.verdict, "summary": verdict.summary,
-        "exit_code": verdict.exit_code, "commit": v.start.get("commit", stored.get("commit")),
-        "config_hash": v.start.get("config_hash", stored.get("config_hash")), "device": device,
-        "steps": v.last_step, "reason": v.end["reason"] if v.end else "error",
+        **stored,
+        "scenario": sc.name,
+        "seed": seed,
+        "verdict": verdict.verdict,
+        "summary": verdict.summary,
+        "exit_code": verdict.exit_code,
+        "commit": v.start.get("commit", stored.get("commit")),
+        "config_hash": v.start.get("config_hash", stored.get("config_hash")),
+        "device": device,
+        "steps": v.last_step,
+        "reason": v.end["reason"] if v.end else "error",
         "error": stored.get("error") if stored.get("error") and error else error,
-        "expectation": sc.expect.model_dump(), "time_to_detect_steps": verdict.time_to_detect, "fault_verify": verify,
-        "checkers": [c.to_dict() for c in checks], "history_digest": deterministic_digest(events),
-        "metrics": _metrics(events), "replay": stored.get("replay") or replay_command(sc, seed, device),
+        "expectation": sc.expect.model_dump(),
+        "time_to_detect_steps": verdict.time_to_detect,
+        "fault_verify": verify,
+        "checkers": [c.to_dict() for c in checks],
+        "history_digest": deterministic_digest(events),
+        "metrics": _metrics(events),
+        "replay": stored.get("replay") or replay_command(sc, seed, device),
         "analyzed_from": stored.get("verdict"),
     }
     results.pop("report_error", None)
@@ -75,21 +96,31 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds history.jsonl), e.g. reports/latest")
-    p.add_argument("--no-plots", action="store_true", help="skip the matplotlib figure in report.html")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run folder (holds history.jsonl), e.g. reports/latest"
+    )
+    p.add_argument(
+        "--no-plots", action="store_true", help="skip the matplotlib figure in report.html"
+    )
 
 
 def main(args) -> int:
     r = analyze(Path(args.run_dir), plots=not args.no_plots)
     run_dir = Path(args.run_dir)
     was = r.get("analyzed_from")
-    change = f" (stored verdict was {was})" if was and was != r["verdict"] else (" (same as stored)" if was else "")
+    change = (
+        f" (stored verdict was {was})"
+        if was and was != r["verdict"]
+        else (" (same as stored)" if was else "")
+    )
     print(f"{run_dir}: {r['verdict']}{change}: {r['summary']}")
     fired = [c["checker"] for c in r["checkers"] if c["valid"] is False]
     held = [c["checker"] for c in r["checkers"] if c["valid"] is True]
     unknown = [c["checker"] for c in r["checkers"] if c["valid"] is None]
-    print(f"  checkers fired: {', '.join(fired) or '-'}; held: {', '.join(held) or '-'}"
-          + (f"; could not decide: {', '.join(unknown)}" if unknown else ""))
+    print(
+        f"  checkers fired: {', '.join(fired) or '-'}; held: {', '.join(held) or '-'}"
+        + (f"; could not decide: {', '.join(unknown)}" if unknown else "")
+    )
     for inc in r["incidents"]:
         print(f"  {inc['file']} [{inc['severity']}] {inc['title']}")
     print(f"  report: {run_dir / 'report.html'}")

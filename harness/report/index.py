@@ -1,4 +1,5 @@
 """The index across runs (report_dir/index.html, index.json) and the `latest` link."""
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,18 @@ INDEX_ROWS = 500  # index.html lists the newest runs; index.json keeps them all
 
 def _entry(d: Path) -> dict:
     r = json.loads((d / "results.json").read_text(encoding="utf-8"))
-    return {"dir": d.name, "verdict": r.get("verdict"), "scenario": r.get("scenario"), "seed": r.get("seed"),
-            "time": r.get("started"), "steps": r.get("steps"), "summary": r.get("summary", ""),
-            "incidents": len(r.get("incidents", [])), "wall_s": r.get("wall_s"),
-            "report": (d / "report.html").is_file()}
+    return {
+        "dir": d.name,
+        "verdict": r.get("verdict"),
+        "scenario": r.get("scenario"),
+        "seed": r.get("seed"),
+        "time": r.get("started"),
+        "steps": r.get("steps"),
+        "summary": r.get("summary", ""),
+        "incidents": len(r.get("incidents", [])),
+        "wall_s": r.get("wall_s"),
+        "report": (d / "report.html").is_file(),
+    }
 
 
 def update_index(report_dir: Path | str, newest: Path | None = None) -> Path:
@@ -51,8 +60,12 @@ def update_index(report_dir: Path | str, newest: Path | None = None) -> Path:
     counts = {}
     for e in rows:
         counts[e["verdict"]] = counts.get(e["verdict"], 0) + 1
-    write_atomic(report_dir / "index.html", template_env().get_template("index.html.j2").render(
-        rows=rows[:INDEX_ROWS], counts=counts, total=len(rows)))
+    write_atomic(
+        report_dir / "index.html",
+        template_env()
+        .get_template("index.html.j2")
+        .render(rows=rows[:INDEX_ROWS], counts=counts, total=len(rows)),
+    )
     target = Path(newest).name if newest is not None else (rows[0]["dir"] if rows else None)
     if target:
         point_latest(report_dir, target)

@@ -1,4 +1,5 @@
 """Write one run's reports: incident-NNN.md, results.json (with its incidents) and report.html."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,18 @@ def template_env():
     if _ENV is None:
         import jinja2
 
-        _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=lambda n: ".html" in (n or ""),
-                                  trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        _ENV = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+            autoescape=lambda n: ".html" in (n or ""),
+            trim_blocks=True,
+            lstrip_blocks=True,
+            undefined=jinja2.StrictUndefined,
+        )
         _ENV.filters["ms"] = lambda x: "-" if x is None else f"{x:.2f} ms"
         _ENV.filters["g"] = lambda x: "-" if x is None else f"{x:.3g}"
-        _ENV.filters["reqs"] = lambda rs: "; ".join(f"{a['req']} ({', '.join(a['how'])})" for a in rs)
+        _ENV.filters["reqs"] = lambda rs: "; ".join(
+            f"{a['req']} ({', '.join(a['how'])})" for a in rs
+        )
         _ENV.filters["cell"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
     return _ENV
 
@@ -44,8 +52,9 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_reports(run_dir: Path | str, results: dict, events: list[dict] | None = None,
-                  plots: bool | None = None) -> list[Path]:
+def write_reports(
+    run_dir: Path | str, results: dict, events: list[dict] | None = None, plots: bool | None = None
+) -> list[Path]:
     """Incidents (incident-NNN.md and results["incidents"]), results.json and report.html for one run.
     plots=None: as KVCHAOS_PLOTS says (default: a figure only for runs that did not PASS)."""
     run_dir = Path(run_dir)
@@ -69,16 +78,34 @@ def write_reports(run_dir: Path | str, results: dict, events: list[dict] | None 
     write_atomic(run_dir / "results.json", json.dumps(results, indent=1, default=str))
     written.append(run_dir / "results.json")
     if plots is None:
-        plots = {"failures": results["verdict"] != PASS, "incidents": bool(incidents), "all": True,
-                 "none": False}[mode]
+        plots = {
+            "failures": results["verdict"] != PASS,
+            "incidents": bool(incidents),
+            "all": True,
+            "none": False,
+        }[mode]
     figure = plot_run(v, results.get("fault_verify") or {}) if plots and v.steps else None
     samples = [st["telemetry"] for st in v.steps if "telemetry" in st]
-    telemetry = {"status": v.start.get("telemetry"), "summary": (v.end or {}).get("telemetry"),
-                 "last": samples[-1] if samples else None}
-    html = template_env().get_template("report.html.j2").render(
-        r=results, incidents=incidents, figure=figure, checks=results.get("checkers", []), plots_env=PLOTS_ENV,
-        telemetry=telemetry,
-        files=sorted(p.name for p in run_dir.iterdir() if p.is_file() and not p.name.startswith(".")))
+    telemetry = {
+        "status": v.start.get("telemetry"),
+        "summary": (v.end or {}).get("telemetry"),
+        "last": samples[-1] if samples else None,
+    }
+    html = (
+        template_env()
+        .get_template("report.html.j2")
+        .render(
+            r=results,
+            incidents=incidents,
+            figure=figure,
+            checks=results.get("checkers", []),
+            plots_env=PLOTS_ENV,
+            telemetry=telemetry,
+            files=sorted(
+                p.name for p in run_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+            ),
+        )
+    )
     write_atomic(run_dir / "report.html", html)
     written.append(run_dir / "report.html")
     return written

@@ -1,4 +1,5 @@
 """One pass over a run's events: the indexes every report section reads."""
+
 from __future__ import annotations
 
 import bisect

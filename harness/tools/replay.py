@@ -10,6 +10,7 @@ replay must be identical.
 
 Exit codes: 0 identical, 1 different, 2 bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ def load_run(run_dir: str | Path):
             raise ScenarioError(f"{json_path}: not valid JSON: {e}") from None
         sc = parse_scenario(data, str(json_path))
     else:
-        raise ValueError(f"{run_dir}: neither scenario.toml nor scenario.json: the run cannot be replayed "
-                         f"(runs of a scenario built in code keep no scenario file)")
+        raise ValueError(
+            f"{run_dir}: neither scenario.toml nor scenario.json: the run cannot be replayed "
+            f"(runs of a scenario built in code keep no scenario file)"
+        )
     return sc, data, results
 
 
@@ -68,13 +71,25 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
     for i, (a, b) in enumerate(pairs):
         if a is missing or b is missing:
             there = b if a is missing else a
-            return {"index": i, "step": there.get("step"), "event": there.get("e"),
-                    "detail": f"only the {'replayed' if a is missing else 'recorded'} history has event {i}"}
+            return {
+                "index": i,
+                "step": there.get("step"),
+                "event": there.get("e"),
+                "detail": f"only the {'replayed' if a is missing else 'recorded'} history has event {i}",
+            }
         if _stable_line(a) != _stable_line(b):
             sa, sb = _stable(a), _stable(b)
-            keys = sorted(k for k in sa.keys() | sb.keys() if sa.get(k, missing) != sb.get(k, missing))
-            return {"index": i, "step": a.get("step"), "event": a.get("e"), "keys": keys,
-                    "recorded": {k: sa.get(k) for k in keys}, "replayed": {k: sb.get(k) for k in keys}}
+            keys = sorted(
+                k for k in sa.keys() | sb.keys() if sa.get(k, missing) != sb.get(k, missing)
+            )
+            return {
+                "index": i,
+                "step": a.get("step"),
+                "event": a.get("e"),
+                "keys": keys,
+                "recorded": {k: sa.get(k) for k in keys},
+                "replayed": {k: sb.get(k) for k in keys},
+            }
     return None
 
 
@@ -91,27 +106,47 @@ def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | No
         with tempfile.TemporaryDirectory(prefix="kvchaos-replay-") as tmp:
             r = run_scenario(sc, results["seed"], device, tmp, timeout_s=timeout_s)
             new = r.results["history_digest"]
-            diff = first_difference(stored, r.run_dir / "history.jsonl") if stored.exists() else None
+            diff = (
+                first_difference(stored, r.run_dir / "history.jsonl") if stored.exists() else None
+            )
     finally:
-        os.environ.pop("KVCHAOS_PLOTS") if plots is None else os.environ.__setitem__("KVCHAOS_PLOTS", plots)
+        os.environ.pop("KVCHAOS_PLOTS") if plots is None else os.environ.__setitem__(
+            "KVCHAOS_PLOTS", plots
+        )
     recorded = results.get("history_digest")
-    return {"identical": recorded == new and diff is None, "recorded_digest": recorded, "replay_digest": new,
-            "first_difference": diff, "history_compared": stored.exists(), "seed": results["seed"],
-            "device": device, "scenario": sc.name, "recorded_verdict": results.get("verdict"),
-            "replay_verdict": r.verdict}
+    return {
+        "identical": recorded == new and diff is None,
+        "recorded_digest": recorded,
+        "replay_digest": new,
+        "first_difference": diff,
+        "history_compared": stored.exists(),
+        "seed": results["seed"],
+        "device": device,
+        "scenario": sc.name,
+        "recorded_verdict": results.get("verdict"),
+        "replay_verdict": r.verdict,
+    }
 
 
 def describe(out: dict) -> str:
     head = f"{out['scenario']} seed {out['seed']} on {out['device']}"
     if out["identical"]:
-        how = "digest and every event" if out["history_compared"] else "digest only: no stored history.jsonl"
+        how = (
+            "digest and every event"
+            if out["history_compared"]
+            else "digest only: no stored history.jsonl"
+        )
         return f"identical: {head}: history {out['replay_digest'][:16]} ({how}); verdict {out['replay_verdict']}"
     lines = [f"DIFFERENT: {head}"]
     if out["recorded_digest"] is None:
-        lines.append(f"  the recorded run has no history digest (it was killed: verdict {out['recorded_verdict']}); "
-                     f"the replay finished with {out['replay_verdict']}")
+        lines.append(
+            f"  the recorded run has no history digest (it was killed: verdict {out['recorded_verdict']}); "
+            f"the replay finished with {out['replay_verdict']}"
+        )
     else:
-        lines.append(f"  history digest: recorded {out['recorded_digest'][:16]}, replayed {out['replay_digest'][:16]}")
+        lines.append(
+            f"  history digest: recorded {out['recorded_digest'][:16]}, replayed {out['replay_digest'][:16]}"
+        )
     lines.append(f"  verdict: recorded {out['recorded_verdict']}, replayed {out['replay_verdict']}")
     d = out["first_difference"]
     if d is not None:
@@ -119,9 +154,13 @@ def describe(out: dict) -> str:
         if "detail" in d:
             lines.append(f"    {d['detail']}")
         for k in d.get("keys", []):
-            lines.append(f"    {k}: recorded {_short(d['recorded'][k])} -> replayed {_short(d['replayed'][k])}")
+            lines.append(
+                f"    {k}: recorded {_short(d['recorded'][k])} -> replayed {_short(d['replayed'][k])}"
+            )
     elif out["recorded_digest"] is not None and out["history_compared"]:
-        lines.append("  every stored event matches the replay: the recorded digest does not match its own history")
+        lines.append(
+            "  every stored event matches the replay: the recorded digest does not match its own history"
+        )
     elif not out["history_compared"]:
         lines.append("  no stored history.jsonl: the first differing event cannot be named")
     return "\n".join(lines)
@@ -134,9 +173,17 @@ def _short(v, n: int = 160) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds results.json and scenario.toml/.json)")
-    p.add_argument("--device", default=None, help="replay on this device instead of the recorded one")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="time limit for the replay")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run folder (holds results.json and scenario.toml/.json)",
+    )
+    p.add_argument(
+        "--device", default=None, help="replay on this device instead of the recorded one"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, metavar="S", help="time limit for the replay"
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 

@@ -15,6 +15,7 @@ point to them).
 
 Exit codes: 0 shrunk (or already minimal), 1 the run does not reproduce, 2 bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,11 +109,15 @@ def smaller_fault_params(d: dict, ctx) -> Iterator[dict]:
 def smaller_engine(d: dict, ctx) -> Iterator[dict]:
     """A narrower table and smaller pool: an over-long request overflows sooner, in fewer steps."""
     cc = ctx.sc.engine_config().cache
-    for key, vals in (("max_blocks_per_seq", (cc.max_blocks_per_seq // 4, cc.max_blocks_per_seq // 2,
-                                              cc.max_blocks_per_seq - 1)),
-                      ("block_size", (cc.block_size // 2,)),
-                      ("num_blocks", (cc.num_blocks // 2, cc.num_blocks * 3 // 4)),
-                      ("max_num_seqs", (2, cc.max_num_seqs // 2))):
+    for key, vals in (
+        (
+            "max_blocks_per_seq",
+            (cc.max_blocks_per_seq // 4, cc.max_blocks_per_seq // 2, cc.max_blocks_per_seq - 1),
+        ),
+        ("block_size", (cc.block_size // 2,)),
+        ("num_blocks", (cc.num_blocks // 2, cc.num_blocks * 3 // 4)),
+        ("max_num_seqs", (2, cc.max_num_seqs // 2)),
+    ):
         for v in _uniq_below(getattr(cc, key), vals):
             if v >= 1:
                 yield _set(d, ("engine", "cache", key), v)
@@ -139,8 +144,18 @@ def fewer_steps(d: dict, ctx) -> Iterator[dict]:
             yield _set(d, ("run", "max_steps"), k)
 
 
-REDUCERS: list[Callable] = [drop_faults, fewer_requests, fewer_forks, fewer_cancels, smaller_engine,
-                            smaller_fault_params, shorter_lengths, faster_arrivals, fewer_steps, fewer_keys]
+REDUCERS: list[Callable] = [
+    drop_faults,
+    fewer_requests,
+    fewer_forks,
+    fewer_cancels,
+    smaller_engine,
+    smaller_fault_params,
+    shorter_lengths,
+    faster_arrivals,
+    fewer_steps,
+    fewer_keys,
+]
 
 
 def _smaller(v) -> list:
@@ -159,7 +174,7 @@ def _smaller(v) -> list:
 def _sublists(xs: list) -> list[list]:
     if not xs:
         return []
-    return [[]] + ([xs[:i] + xs[i + 1:] for i in range(len(xs))] if len(xs) > 1 else [])
+    return [[]] + ([xs[:i] + xs[i + 1 :] for i in range(len(xs))] if len(xs) > 1 else [])
 
 
 def _set(d: dict, path: tuple, value) -> dict:
@@ -175,9 +190,12 @@ def _set(d: dict, path: tuple, value) -> dict:
 def _smaller_run(out: dict, key: str, best_out: dict, best: dict) -> bool:
     """No more requests, no more steps, and smaller overall (a shorter file counts): strictly
     decreasing, so the search cannot go round in circles."""
-    return out["requests"] <= best_out["requests"] and out["steps"] <= best_out["steps"] and \
-        (out["requests"], out["steps"], len(key)) < (best_out["requests"], best_out["steps"],
-                                                     len(json.dumps(best, sort_keys=True)))
+    return (
+        out["requests"] <= best_out["requests"]
+        and out["steps"] <= best_out["steps"]
+        and (out["requests"], out["steps"], len(key))
+        < (best_out["requests"], best_out["steps"], len(json.dumps(best, sort_keys=True)))
+    )
 
 
 class _Ctx:
@@ -191,8 +209,13 @@ def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float) -> dict:
 
     r = run_scenario(sc, seed, device, None, timeout_s=timeout_s)
     fps = fingerprints(r.results, data.get("faults", []))
-    return {"verdict": r.verdict, "fps": [tuple(x["fp"]) for x in fps], "steps": r.results["steps"],
-            "requests": (r.results.get("metrics") or {}).get("requests", 0), "summary": r.summary}
+    return {
+        "verdict": r.verdict,
+        "fps": [tuple(x["fp"]) for x in fps],
+        "steps": r.results["steps"],
+        "requests": (r.results.get("metrics") or {}).get("requests", 0),
+        "summary": r.summary,
+    }
 
 
 def _fp_key(fp: tuple) -> tuple:
@@ -210,8 +233,16 @@ def _matches(target: dict, got: dict) -> bool:
     return have <= {_fp_key(fp) for fp in target["fps"]}
 
 
-def shrink(data: dict, seed: int, device: str, target: dict, first: dict, max_runs: int, timeout_s: float,
-           log: Callable[[str], None] = lambda s: None) -> tuple[dict, dict, int]:
+def shrink(
+    data: dict,
+    seed: int,
+    device: str,
+    target: dict,
+    first: dict,
+    max_runs: int,
+    timeout_s: float,
+    log: Callable[[str], None] = lambda s: None,
+) -> tuple[dict, dict, int]:
     """(minimal scenario dict, its outcome, runs used). target: the outcome to keep; first: the
     outcome of re-running data as it is (one run, counted)."""
     from kvchaos.harness.judge.scenario import ScenarioError, parse_scenario
@@ -242,7 +273,9 @@ def shrink(data: dict, seed: int, device: str, target: dict, first: dict, max_ru
                     if _matches(target, out) and _smaller_run(out, key, best_out, best):
                         best, best_out, accepted = cand, out, True
                         progress = True
-                        log(f"  {reducer.__name__}: {out['requests']} requests, {out['steps']} steps")
+                        log(
+                            f"  {reducer.__name__}: {out['requests']} requests, {out['steps']} steps"
+                        )
                         break
     return best, best_out, runs
 
@@ -252,20 +285,35 @@ def _ident(text: str) -> str:
     return re.sub(r"\W+", "_", text).strip("_").lower() or "scenario"
 
 
-def regression_test(name: str, seed: int, run_dir: Path, target: dict, before: dict, after: dict,
-                    expect_detect: bool) -> str:
+def regression_test(
+    name: str,
+    seed: int,
+    run_dir: Path,
+    target: dict,
+    before: dict,
+    after: dict,
+    expect_detect: bool,
+) -> str:
     primary = target["fps"][0] if target["fps"] else None
     finding = ""
     if expect_detect and primary is not None and primary[0] == "DETECTED":
-        finding = (f"\n    assert {(primary[2], primary[3])!r} in {{(f.checker, f.kind) for f in r.findings}}, "
-                   f"\"the detection no longer names the same finding\"")
+        finding = (
+            f"\n    assert {(primary[2], primary[3])!r} in {{(f.checker, f.kind) for f in r.findings}}, "
+            f'"the detection no longer names the same finding"'
+        )
     shown = " / ".join(primary) if primary else target["verdict"]
-    doc = (f'"""Regression test from `kvchaos shrink {run_dir}`: {name} seed {seed}, reduced from '
-           f'{before["requests"]} requests / {before["steps"]} steps to {after["requests"]} / {after["steps"]}.\n'
-           f'The original run showed {target["verdict"]} ({shown}). The test asserts PASS: '
-           + ("the planted defect is still caught" if expect_detect else "the run is clean")
-           + (", so it fails until the harness or engine is fixed." if target["verdict"] != PASS else ".")
-           + '"""')
+    doc = (
+        f'"""Regression test from `kvchaos shrink {run_dir}`: {name} seed {seed}, reduced from '
+        f"{before['requests']} requests / {before['steps']} steps to {after['requests']} / {after['steps']}.\n"
+        f"The original run showed {target['verdict']} ({shown}). The test asserts PASS: "
+        + ("the planted defect is still caught" if expect_detect else "the run is clean")
+        + (
+            ", so it fails until the harness or engine is fixed."
+            if target["verdict"] != PASS
+            else "."
+        )
+        + '"""'
+    )
     return f'''{doc}
 from pathlib import Path
 
@@ -278,7 +326,9 @@ def test_{_ident(name)}_seed{seed}(kvchaos_run):
 '''
 
 
-def write_outputs(run_dir: Path, data: dict, seed: int, target: dict, before: dict, after: dict, runs: int) -> dict:
+def write_outputs(
+    run_dir: Path, data: dict, seed: int, target: dict, before: dict, after: dict, runs: int
+) -> dict:
     from kvchaos.harness.judge.toml_writer import dumps
 
     out_dir = run_dir / "minimal"
@@ -287,25 +337,50 @@ def write_outputs(run_dir: Path, data: dict, seed: int, target: dict, before: di
     primary = " / ".join(target["fps"][0]) if target["fps"] else target["verdict"]
     data = copy.deepcopy(data)
     meta = data["scenario"]
-    meta.update(name=name, seeds=[seed], description=f"Shrunk by kvchaos shrink from {run_dir} (seed {seed}): "
-                f"{target['verdict']}, {primary}. {before['requests']} requests / {before['steps']} steps -> "
-                f"{after['requests']} / {after['steps']}.")
+    meta.update(
+        name=name,
+        seeds=[seed],
+        description=f"Shrunk by kvchaos shrink from {run_dir} (seed {seed}): "
+        f"{target['verdict']}, {primary}. {before['requests']} requests / {before['steps']} steps -> "
+        f"{after['requests']} / {after['steps']}.",
+    )
     meta["tags"] = [t for t in meta.get("tags", []) if t != "soak"]
     scenario_path = out_dir / "scenario.toml"
     scenario_path.write_text(dumps(data), encoding="utf-8")
     test_path = out_dir / f"test_{_ident(name)}_s{seed}.py"
-    test_path.write_text(regression_test(name, seed, run_dir, target, before, after,
-                                         data.get("expect", {}).get("outcome") == "detect"), encoding="utf-8")
-    return {"scenario_path": str(scenario_path), "test_path": str(test_path), "seed": seed,
-            "command": f"python -m pytest {test_path}", "verdict": target["verdict"], "fingerprint": primary,
-            "before": before, "after": after, "runs": runs}
+    test_path.write_text(
+        regression_test(
+            name,
+            seed,
+            run_dir,
+            target,
+            before,
+            after,
+            data.get("expect", {}).get("outcome") == "detect",
+        ),
+        encoding="utf-8",
+    )
+    return {
+        "scenario_path": str(scenario_path),
+        "test_path": str(test_path),
+        "seed": seed,
+        "command": f"python -m pytest {test_path}",
+        "verdict": target["verdict"],
+        "fingerprint": primary,
+        "before": before,
+        "after": after,
+        "runs": runs,
+    }
 
 
 def _update_results(run_dir: Path, results: dict, minimal: dict) -> None:
     results["minimal_reproducer"] = minimal
     if (run_dir / "history.jsonl").is_file():
         try:
-            from kvchaos.harness.report.render import write_reports  # re-renders the incidents with the reproducer
+            from kvchaos.harness.report.render import (
+                write_reports,
+            )  # re-renders the incidents with the reproducer
+
             write_reports(run_dir, results)
             return
         except ImportError:
@@ -316,11 +391,30 @@ def _update_results(run_dir: Path, results: dict, minimal: dict) -> None:
 # -- the command --------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds results.json and scenario.toml/.json)")
-    p.add_argument("--max-runs", type=int, default=200, metavar="N", help="at most N candidate runs (default 200)")
-    p.add_argument("--device", default=None, help="run the candidates on this device instead of the recorded one")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="per-candidate time limit (default: 10x the first re-run, at least 30 s)")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run folder (holds results.json and scenario.toml/.json)",
+    )
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=200,
+        metavar="N",
+        help="at most N candidate runs (default 200)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="run the candidates on this device instead of the recorded one",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="per-candidate time limit (default: 10x the first re-run, at least 30 s)",
+    )
 
 
 def main(args) -> int:
@@ -334,25 +428,40 @@ def main(args) -> int:
     if "verdict" not in results:
         raise ValueError(f"{run_dir / 'results.json'}: no verdict: not a finished kvchaos run")
     seed, device = results["seed"], args.device or results["device"]
-    target = {"verdict": results["verdict"],
-              "fps": [tuple(x["fp"]) for x in fingerprints(results, data.get("faults", []))]}
+    target = {
+        "verdict": results["verdict"],
+        "fps": [tuple(x["fp"]) for x in fingerprints(results, data.get("faults", []))],
+    }
     t0 = time.perf_counter()
     first = _outcome(sc, data, seed, device, args.timeout)
     if not _matches(target, first):
-        print(f"the run does not reproduce: recorded {target['verdict']} ({_fp(target)}), the re-run gave "
-              f"{first['verdict']} ({_fp(first)}): {first['summary']}")
+        print(
+            f"the run does not reproduce: recorded {target['verdict']} ({_fp(target)}), the re-run gave "
+            f"{first['verdict']} ({_fp(first)}): {first['summary']}"
+        )
         return EXIT_NOT_REPRODUCED
     timeout = args.timeout or max(30.0, 10 * (time.perf_counter() - t0))
     before = {"requests": first["requests"], "steps": first["steps"]}
     print(f"shrinking {sc.name} seed {seed} on {device}: {target['verdict']}, {_fp(target)}")
     best, after, runs = shrink(data, seed, device, target, first, args.max_runs, timeout, print)
-    minimal = write_outputs(run_dir, best, seed, target, before, {"requests": after["requests"],
-                                                                  "steps": after["steps"]}, runs)
+    minimal = write_outputs(
+        run_dir,
+        best,
+        seed,
+        target,
+        before,
+        {"requests": after["requests"], "steps": after["steps"]},
+        runs,
+    )
     _update_results(run_dir, results, minimal)
     print(f"before: {before['requests']} requests, {before['steps']} steps")
-    print(f"after:  {after['requests']} requests, {after['steps']} steps  ({runs} runs, "
-          f"{time.perf_counter() - t0:.1f} s)")
-    print(f"scenario: {minimal['scenario_path']}\ntest:     {minimal['test_path']}\nrun it:   {minimal['command']}")
+    print(
+        f"after:  {after['requests']} requests, {after['steps']} steps  ({runs} runs, "
+        f"{time.perf_counter() - t0:.1f} s)"
+    )
+    print(
+        f"scenario: {minimal['scenario_path']}\ntest:     {minimal['test_path']}\nrun it:   {minimal['command']}"
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ Exit codes: 0 nothing unexpected (PASS / INCONCLUSIVE only), 10 MISSED, 11 FALSE
 
   kvchaos soak --budget 30m --device cuda --shard 1/4 --per-run-timeout 120
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,40 +32,79 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FALSE_ALARM, INCONCLUSIVE, MEANING, MISSED, PASS
+from kvchaos.harness.judge.verdict import (
+    ERROR,
+    EXIT_CODES,
+    FALSE_ALARM,
+    INCONCLUSIVE,
+    MEANING,
+    MISSED,
+    PASS,
+)
 
 NONDETERMINISM = "NONDETERMINISM"
 EXIT_NONDETERMINISM = 14
-REPLAY_EVERY = 20          # every 20th run (the first included; an ERROR passes it on) is replayed: 5%
-KILL_GRACE_S = 5.0         # past the soft per-run timeout, the worker is killed
+REPLAY_EVERY = 20  # every 20th run (the first included; an ERROR passes it on) is replayed: 5%
+KILL_GRACE_S = 5.0  # past the soft per-run timeout, the worker is killed
 RSS_SAMPLE_EVERY_S = 5.0
-RSS_BASELINE_S = 60.0      # "after the first minute"
+RSS_BASELINE_S = 60.0  # "after the first minute"
 
 # The declared ranges every soak scenario is drawn from: (lo, hi) is an inclusive range (ints
 # stay ints), a list is a choice, {"subset": [...], "min": k} a random subset of at least k.
 # The shapes follow what each failure mode needs to be provoked.
 SPACE = {
-    "engine": {"block_size": [2, 4, 8], "max_blocks_per_seq": (8, 24), "max_num_seqs": (4, 8),
-               "pool_rows": (3, 8),  # num_blocks = pool_rows x max_blocks_per_seq
-               "max_prefill_tokens": (16, 64), "tp_size": [1, 2]},
-    "workload": {"num_requests": (2, 16), "arrival_rate": (0.5, 3.0), "prompt_max": (4, 40),
-                 "output_max": (4, 32), "fork_groups": (0, 3), "cancel_rate": (0.0, 0.2),
-                 "cancel_phases": {"subset": ["waiting", "prefill", "decode", "preempted", "shared"], "min": 0}},
+    "engine": {
+        "block_size": [2, 4, 8],
+        "max_blocks_per_seq": (8, 24),
+        "max_num_seqs": (4, 8),
+        "pool_rows": (3, 8),  # num_blocks = pool_rows x max_blocks_per_seq
+        "max_prefill_tokens": (16, 64),
+        "tp_size": [1, 2],
+    },
+    "workload": {
+        "num_requests": (2, 16),
+        "arrival_rate": (0.5, 3.0),
+        "prompt_max": (4, 40),
+        "output_max": (4, 32),
+        "fork_groups": (0, 3),
+        "cancel_rate": (0.0, 0.2),
+        "cancel_phases": {
+            "subset": ["waiting", "prefill", "decode", "preempted", "shared"],
+            "min": 0,
+        },
+    },
     # a stall needs a steady decode-only stretch to measure a trend against its own baseline
     "stall_workload": {"num_requests": (1, 4), "output_len": (70, 100), "prompt_max": (4, 12)},
-    "fault_probability": 0.4,   # each failure mode's trigger is in the mix with this probability
+    "fault_probability": 0.4,  # each failure mode's trigger is in the mix with this probability
     "defect_probability": 0.5,  # and, when it is, its defect is planted with this one
     "faults": {
-        "table_overflow": {"at_step": (1, 6), "long_requests": (1, 2), "overshoot": (1.1, 2.0),
-                           "boundary": [True, False], "neighbours": (1, 4)},
-        "refcount_leak": {"cancel_phases": {"subset": ["prefill", "decode", "shared"], "min": 1},
-                          "fraction": (0.5, 1.0),
-                          "storm_step": (4, 16), "storm_fraction": (0.2, 0.8)},  # phase cancels alone rarely land
-        "staging_stall": {"at_step": (20, 30), "ramp_steps": (6, 16), "plateau_us": (2000.0, 5000.0)},
+        "table_overflow": {
+            "at_step": (1, 6),
+            "long_requests": (1, 2),
+            "overshoot": (1.1, 2.0),
+            "boundary": [True, False],
+            "neighbours": (1, 4),
+        },
+        "refcount_leak": {
+            "cancel_phases": {"subset": ["prefill", "decode", "shared"], "min": 1},
+            "fraction": (0.5, 1.0),
+            "storm_step": (4, 16),
+            "storm_fraction": (0.2, 0.8),
+        },  # phase cancels alone rarely land
+        "staging_stall": {
+            "at_step": (20, 30),
+            "ramp_steps": (6, 16),
+            "plateau_us": (2000.0, 5000.0),
+        },
         "ordering_race": {"lag_steps": (1, 2), "probability": (0.2, 0.6), "from_step": (2, 5)},
     },
     # expect.within_steps per planted failure mode (the soak takes the largest of those planted)
-    "within_steps": {"table_overflow": 2, "refcount_leak": 2, "staging_stall": 20, "ordering_race": 2},
+    "within_steps": {
+        "table_overflow": 2,
+        "refcount_leak": 2,
+        "staging_stall": 20,
+        "ordering_race": 2,
+    },
 }
 
 
@@ -116,15 +156,25 @@ def generate_scenario(seed: int) -> dict:
     for name in REGISTRY:
         if rng.random() < SPACE["fault_probability"]:
             params = {k: _draw(rng, spec) for k, spec in SPACE["faults"][name].items()}
-            faults.append({"name": name, "defect": rng.random() < SPACE["defect_probability"],
-                           "params": params})
+            faults.append(
+                {
+                    "name": name,
+                    "defect": rng.random() < SPACE["defect_probability"],
+                    "params": params,
+                }
+            )
     names = [f["name"] for f in faults]
     width = _draw(rng, e["max_blocks_per_seq"])
-    engine = {"max_prefill_tokens": _draw(rng, e["max_prefill_tokens"]),
-              "tp_size": 2 if "ordering_race" in names else _draw(rng, e["tp_size"]),
-              "cache": {"block_size": _draw(rng, e["block_size"]), "max_blocks_per_seq": width,
-                        "max_num_seqs": _draw(rng, e["max_num_seqs"]),
-                        "num_blocks": width * _draw(rng, e["pool_rows"])}}
+    engine = {
+        "max_prefill_tokens": _draw(rng, e["max_prefill_tokens"]),
+        "tp_size": 2 if "ordering_race" in names else _draw(rng, e["tp_size"]),
+        "cache": {
+            "block_size": _draw(rng, e["block_size"]),
+            "max_blocks_per_seq": width,
+            "max_num_seqs": _draw(rng, e["max_num_seqs"]),
+            "num_blocks": width * _draw(rng, e["pool_rows"]),
+        },
+    }
     cache = engine["cache"]
     if "staging_stall" in names:
         sw = SPACE["stall_workload"]
@@ -132,32 +182,54 @@ def generate_scenario(seed: int) -> dict:
         # every request must fit a row, or nothing decodes long enough to show a trend
         cache["max_blocks_per_seq"] = max(width, -(-(out + prompt) // cache["block_size"]))
         cache["num_blocks"] = max(cache["num_blocks"], 2 * cache["max_blocks_per_seq"])
-        workload = {"num_requests": _draw(rng, sw["num_requests"]), "arrival_rate": 4.0,
-                    "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
-                    "output_len": {"dist": "fixed", "value": out, "min": 1, "max": out}}
+        workload = {
+            "num_requests": _draw(rng, sw["num_requests"]),
+            "arrival_rate": 4.0,
+            "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
+            "output_len": {"dist": "fixed", "value": out, "min": 1, "max": out},
+        }
     else:
         # the workload's own requests fit a row: over-long ones are the table_overflow trigger's job
         cap = width * cache["block_size"]
         prompt = min(_draw(rng, w["prompt_max"]), cap // 2)
         out = min(_draw(rng, w["output_max"]), cap - prompt)
-        workload = {"num_requests": _draw(rng, w["num_requests"]),
-                    "arrival_rate": _draw(rng, w["arrival_rate"]),
-                    "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
-                    "output_len": {"dist": "uniform", "min": 1, "max": out},
-                    "fork_groups": _draw(rng, w["fork_groups"]),
-                    "cancel": {"rate": _draw(rng, w["cancel_rate"]),
-                               "phases": _draw(rng, w["cancel_phases"])}}
+        workload = {
+            "num_requests": _draw(rng, w["num_requests"]),
+            "arrival_rate": _draw(rng, w["arrival_rate"]),
+            "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
+            "output_len": {"dist": "uniform", "min": 1, "max": out},
+            "fork_groups": _draw(rng, w["fork_groups"]),
+            "cancel": {
+                "rate": _draw(rng, w["cancel_rate"]),
+                "phases": _draw(rng, w["cancel_phases"]),
+            },
+        }
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
-        expect = {"outcome": "detect", "checkers": detectors,
-                  "within_steps": max(SPACE["within_steps"][n] for n in planted)}
+        expect = {
+            "outcome": "detect",
+            "checkers": detectors,
+            "within_steps": max(SPACE["within_steps"][n] for n in planted),
+        }
     else:
         expect = {"outcome": "clean"}
-    mix = ", ".join(f"{f['name']} ({'defect' if f['defect'] else 'trigger'})" for f in faults) or "no faults"
-    data = {"scenario": {"name": f"soak-{seed}", "description": f"soak seed {seed}: {mix}", "tags": ["soak"],
-                         "seeds": [seed]},
-            "engine": engine, "workload": workload, "faults": faults, "expect": expect}
+    mix = (
+        ", ".join(f"{f['name']} ({'defect' if f['defect'] else 'trigger'})" for f in faults)
+        or "no faults"
+    )
+    data = {
+        "scenario": {
+            "name": f"soak-{seed}",
+            "description": f"soak seed {seed}: {mix}",
+            "tags": ["soak"],
+            "seeds": [seed],
+        },
+        "engine": engine,
+        "workload": workload,
+        "faults": faults,
+        "expect": expect,
+    }
     if not faults:
         del data["faults"]
     return data
@@ -175,7 +247,9 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     planted = [f["name"] for f in faults if f.get("defect", True)]
     present = planted + [f["name"] for f in faults if not f.get("defect", True)]
     steps = results.get("steps", 0)
-    if v == ERROR:  # a broken run is not attributed to a failure mode: the mix would split one cause many ways
+    if (
+        v == ERROR
+    ):  # a broken run is not attributed to a failure mode: the mix would split one cause many ways
         err = results.get("error") or {}
         unknown = [c["checker"] for c in results.get("checkers", []) if c.get("valid") is None]
         if err or not unknown:
@@ -187,8 +261,14 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     if v == MISSED:
         verify = results.get("fault_verify", {})
         caught = set(results.get("time_to_detect_steps") or {})
-        head = [{"fp": (MISSED, n, "-", "not_caught"), "step": (verify.get(n) or {}).get("first_step") or steps}
-                for n in planted if n not in caught]
+        head = [
+            {
+                "fp": (MISSED, n, "-", "not_caught"),
+                "step": (verify.get(n) or {}).get("first_step") or steps,
+            }
+            for n in planted
+            if n not in caught
+        ]
     label = "DETECTED" if v == PASS else v
     for c in results.get("checkers", []):
         for f in c.get("findings", []):
@@ -196,11 +276,20 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
             fp = (label, mode, f["checker"], f.get("kind") or "-")
             if fp not in out or f["step"] < out[fp]:
                 out[fp] = f["step"]
-    tail = sorted(({"fp": fp, "step": s} for fp, s in out.items()), key=lambda x: (x["step"], x["fp"]))
-    if v == PASS:  # the primary is the earliest finding of a checker the scenario expected (ties: in its order)
+    tail = sorted(
+        ({"fp": fp, "step": s} for fp, s in out.items()), key=lambda x: (x["step"], x["fp"])
+    )
+    if (
+        v == PASS
+    ):  # the primary is the earliest finding of a checker the scenario expected (ties: in its order)
         want = results.get("expectation", {}).get("checkers", [])
-        tail.sort(key=lambda x: (x["fp"][2] not in want, x["step"],
-                                 want.index(x["fp"][2]) if x["fp"][2] in want else 0))
+        tail.sort(
+            key=lambda x: (
+                x["fp"][2] not in want,
+                x["step"],
+                want.index(x["fp"][2]) if x["fp"][2] in want else 0,
+            )
+        )
     return head + tail
 
 
@@ -234,11 +323,15 @@ class Ledger:
 
     def next_seed(self, n: int) -> int:
         top = self.db.execute("SELECT MAX(seed) FROM runs").fetchone()[0]
-        return 0 if top is None else -(-(top + 1) // n) * n  # a multiple of N keeps the shards apart
+        return (
+            0 if top is None else -(-(top + 1) // n) * n
+        )  # a multiple of N keeps the shards apart
 
     def add_run(self, **row) -> int:
         cols = ", ".join(row)
-        cur = self.db.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
+        cur = self.db.execute(
+            f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values())
+        )
         self.db.commit()
         return cur.lastrowid
 
@@ -247,8 +340,10 @@ class Ledger:
         self.db.commit()
 
     def soak(self, **row) -> None:
-        self.db.execute(f"INSERT OR REPLACE INTO soaks ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                        tuple(row.values()))
+        self.db.execute(
+            f"INSERT OR REPLACE INTO soaks ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+            tuple(row.values()),
+        )
         self.db.commit()
 
     def close(self) -> None:
@@ -286,13 +381,22 @@ def _execute(job: dict, run_scenario, load_scenario) -> dict:
     if job["op"] == "replay":
         r = run_scenario(sc, job["seed"], job["device"], None, timeout_s=job["timeout_s"])
         return {"digest": r.results["history_digest"], "verdict": r.verdict}
-    r = publish(run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"]),
-                index=False)
+    r = publish(
+        run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"]),
+        index=False,
+    )
     (r.run_dir / "scenario.json").write_text(json.dumps(job["scenario"], indent=1))
     res = r.results
-    return {"run_dir": str(r.run_dir), "verdict": r.verdict, "summary": r.summary, "steps": res["steps"],
-            "wall_s": res["wall_s"], "digest": res["history_digest"], "command": res["replay"],
-            "fingerprints": fingerprints(res, job["scenario"].get("faults", []))}
+    return {
+        "run_dir": str(r.run_dir),
+        "verdict": r.verdict,
+        "summary": r.summary,
+        "steps": res["steps"],
+        "wall_s": res["wall_s"],
+        "digest": res["history_digest"],
+        "command": res["replay"],
+        "fingerprints": fingerprints(res, job["scenario"].get("faults", [])),
+    }
 
 
 class Worker:
@@ -308,7 +412,9 @@ class Worker:
             return True
         self.kill()
         parent, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker_main, args=(child,), daemon=True, name="kvchaos-soak-worker")
+        self.proc = self.ctx.Process(
+            target=_worker_main, args=(child,), daemon=True, name="kvchaos-soak-worker"
+        )
         self.proc.start()
         child.close()
         self.conn = parent
@@ -392,9 +498,13 @@ class Soak:
         self.commit = git_commit()
         report_dir = Path(args.report_dir)
         self.ledger = Ledger(Path(args.ledger) if args.ledger else report_dir / "ledger.sqlite")
-        self.seed_start = args.seed_start if args.seed_start is not None else self.ledger.next_seed(self.shard[1])
+        self.seed_start = (
+            args.seed_start if args.seed_start is not None else self.ledger.next_seed(self.shard[1])
+        )
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.id = f"soak-{stamp}" + (f"-shard{self.shard[0]}of{self.shard[1]}" if self.shard[1] > 1 else "")
+        self.id = f"soak-{stamp}" + (
+            f"-shard{self.shard[0]}of{self.shard[1]}" if self.shard[1] > 1 else ""
+        )
         self.dir = report_dir / self.id
         n = 1
         while self.dir.exists():
@@ -406,7 +516,7 @@ class Soak:
         self.proc = psutil.Process()
         self.counts: Counter = Counter()
         self.incidents: dict[tuple, dict] = {}
-        self.unexpected: list[dict] = []     # capped: the ledger has them all
+        self.unexpected: list[dict] = []  # capped: the ledger has them all
         self.nondet: list[dict] = []
         self.runs = self.steps = self.replays = self.cut = 0
         self.first_seed = self.last_seed = None
@@ -423,9 +533,19 @@ class Soak:
         path = self.dir / "scenarios" / f"soak-{seed}.toml"
         parse_scenario(data, str(path))  # the generator's output must be a valid scenario
         path.write_text(dumps(data), encoding="utf-8")
-        hang = self.args.inject_hang_every is not None and (k + 1) % self.args.inject_hang_every == 0
-        return {"op": "run", "seed": seed, "scenario": data, "scenario_path": str(path), "device": self.device,
-                "runs_dir": str(self.dir / "runs"), "timeout_s": self.args.per_run_timeout, "hang": hang}
+        hang = (
+            self.args.inject_hang_every is not None and (k + 1) % self.args.inject_hang_every == 0
+        )
+        return {
+            "op": "run",
+            "seed": seed,
+            "scenario": data,
+            "scenario_path": str(path),
+            "device": self.device,
+            "runs_dir": str(self.dir / "runs"),
+            "timeout_s": self.args.per_run_timeout,
+            "hang": hang,
+        }
 
     def _deadline(self, end: float) -> tuple[float, bool]:
         own = time.monotonic() + self.args.per_run_timeout + KILL_GRACE_S
@@ -441,20 +561,49 @@ class Soak:
         shutil.copyfile(job["scenario_path"], run_dir / "scenario.toml")
         (run_dir / "scenario.json").write_text(json.dumps(job["scenario"], indent=1))
         last_line = (detail.strip().splitlines() or [""])[-1]
-        name, message = {"timeout": ("Timeout", f"no result within {self.args.per_run_timeout + KILL_GRACE_S:g} s: "
-                                                "the run was killed"),
-                         "died": ("WorkerDied", "the worker process died during the run"),
-                         "worker_error": ("WorkerError", f"the soak's worker failed: {last_line}")}[why]
-        error = {"error": name, "message": message, "traceback": detail, "injected_hang": job["hang"]}
+        name, message = {
+            "timeout": (
+                "Timeout",
+                f"no result within {self.args.per_run_timeout + KILL_GRACE_S:g} s: "
+                "the run was killed",
+            ),
+            "died": ("WorkerDied", "the worker process died during the run"),
+            "worker_error": ("WorkerError", f"the soak's worker failed: {last_line}"),
+        }[why]
+        error = {
+            "error": name,
+            "message": message,
+            "traceback": detail,
+            "injected_hang": job["hang"],
+        }
         cmd = f"kvchaos run {job['scenario_path']} --seed {seed} --device {self.device}"
-        results = {"scenario": f"soak-{seed}", "seed": seed, "verdict": ERROR, "summary": f"run error: {message}",
-                   "exit_code": EXIT_CODES[ERROR], "commit": self.commit, "device": self.device, "steps": 0,
-                   "reason": why, "error": error, "expectation": job["scenario"]["expect"], "history_digest": None,
-                   "replay": cmd, "checkers": []}
+        results = {
+            "scenario": f"soak-{seed}",
+            "seed": seed,
+            "verdict": ERROR,
+            "summary": f"run error: {message}",
+            "exit_code": EXIT_CODES[ERROR],
+            "commit": self.commit,
+            "device": self.device,
+            "steps": 0,
+            "reason": why,
+            "error": error,
+            "expectation": job["scenario"]["expect"],
+            "history_digest": None,
+            "replay": cmd,
+            "checkers": [],
+        }
         (run_dir / "results.json").write_text(json.dumps(results, indent=1))
-        return {"run_dir": str(run_dir), "verdict": ERROR, "summary": results["summary"], "steps": 0,
-                "wall_s": None, "digest": None, "command": cmd,
-                "fingerprints": fingerprints(results, job["scenario"].get("faults", []))}
+        return {
+            "run_dir": str(run_dir),
+            "verdict": ERROR,
+            "summary": results["summary"],
+            "steps": 0,
+            "wall_s": None,
+            "digest": None,
+            "command": cmd,
+            "fingerprints": fingerprints(results, job["scenario"].get("faults", [])),
+        }
 
     def _record(self, job: dict, r: dict, duration: float) -> int:
         seed = job["seed"]
@@ -469,24 +618,49 @@ class Soak:
             inc = self.incidents.get(fp)
             if inc is None:
                 cited = True
-                self.incidents[fp] = {"count": 1, "first_seed": seed, "first_run": r["run_dir"],
-                                      "fastest_seed": seed, "fastest_step": x["step"], "fastest_run": r["run_dir"]}
+                self.incidents[fp] = {
+                    "count": 1,
+                    "first_seed": seed,
+                    "first_run": r["run_dir"],
+                    "fastest_seed": seed,
+                    "fastest_step": x["step"],
+                    "fastest_run": r["run_dir"],
+                }
             else:
                 inc["count"] += 1
                 if x["step"] < inc["fastest_step"]:
                     cited = True
                     inc.update(fastest_seed=seed, fastest_step=x["step"], fastest_run=r["run_dir"])
         if r["verdict"] in (MISSED, FALSE_ALARM, ERROR) and len(self.unexpected) < 200:
-            self.unexpected.append({"seed": seed, "verdict": r["verdict"], "summary": r["summary"],
-                                    "run_dir": r["run_dir"], "mix": job["scenario"]["scenario"]["description"]})
+            self.unexpected.append(
+                {
+                    "seed": seed,
+                    "verdict": r["verdict"],
+                    "summary": r["summary"],
+                    "run_dir": r["run_dir"],
+                    "mix": job["scenario"]["scenario"]["description"],
+                }
+            )
         if self.args.keep == "incidents" and r["verdict"] == PASS and not cited:
-            (Path(r["run_dir"]) / "history.jsonl").unlink(missing_ok=True)  # disk, not memory: nights are long
+            (Path(r["run_dir"]) / "history.jsonl").unlink(
+                missing_ok=True
+            )  # disk, not memory: nights are long
         return self.ledger.add_run(
-            soak=self.id, time=dt.datetime.now().isoformat(timespec="seconds"), commit_sha=self.commit,
-            scenario=job["scenario"]["scenario"]["name"], scenario_json=json.dumps(job["scenario"], sort_keys=True),
-            seed=seed, device=self.device, verdict=r["verdict"], duration_s=round(duration, 3), steps=r["steps"],
-            command=r["command"], history_digest=r["digest"], run_dir=r["run_dir"],
-            fingerprints=json.dumps([x["fp"] for x in r["fingerprints"]]))
+            soak=self.id,
+            time=dt.datetime.now().isoformat(timespec="seconds"),
+            commit_sha=self.commit,
+            scenario=job["scenario"]["scenario"]["name"],
+            scenario_json=json.dumps(job["scenario"], sort_keys=True),
+            seed=seed,
+            device=self.device,
+            verdict=r["verdict"],
+            duration_s=round(duration, 3),
+            steps=r["steps"],
+            command=r["command"],
+            history_digest=r["digest"],
+            run_dir=r["run_dir"],
+            fingerprints=json.dumps([x["fp"] for x in r["fingerprints"]]),
+        )
 
     def _replay(self, job: dict, r: dict, row: int, end: float, tick) -> None:
         if not self.worker.ready(end, tick):
@@ -502,15 +676,30 @@ class Soak:
         same = got is not None and got["digest"] == r["digest"]
         self.ledger.set_determinism(row, "identical" if same else "mismatch")
         if not same:
-            self.nondet.append({"seed": job["seed"], "run_dir": r["run_dir"], "digest": r["digest"],
-                                "replay_digest": got["digest"] if got else f"replay {status}",
-                                "replay_verdict": got["verdict"] if got else ERROR, "verdict": r["verdict"]})
+            self.nondet.append(
+                {
+                    "seed": job["seed"],
+                    "run_dir": r["run_dir"],
+                    "digest": r["digest"],
+                    "replay_digest": got["digest"] if got else f"replay {status}",
+                    "replay_verdict": got["verdict"] if got else ERROR,
+                    "verdict": r["verdict"],
+                }
+            )
             self.counts[NONDETERMINISM] += 1
             mix = "+".join(sorted(f["name"] for f in job["scenario"].get("faults", []))) or "-"
             fp = (NONDETERMINISM, mix, "replay", "digest_mismatch")
-            inc = self.incidents.setdefault(fp, {"count": 0, "first_seed": job["seed"], "first_run": r["run_dir"],
-                                                 "fastest_seed": job["seed"], "fastest_step": r["steps"],
-                                                 "fastest_run": r["run_dir"]})
+            inc = self.incidents.setdefault(
+                fp,
+                {
+                    "count": 0,
+                    "first_seed": job["seed"],
+                    "first_run": r["run_dir"],
+                    "fastest_seed": job["seed"],
+                    "fastest_step": r["steps"],
+                    "fastest_run": r["run_dir"],
+                },
+            )
             inc["count"] += 1
 
     # -- the loop ---------------------------------------------------------------------------
@@ -524,7 +713,11 @@ class Soak:
         self.rss["worker_peak_mb"] = max(self.rss.get("worker_peak_mb", 0), worker / 2**20)
         # the baseline is the first sample after the first minute (or a fifth of a shorter budget)
         if "baseline_mb" not in self.rss and t >= min(RSS_BASELINE_S, self.budget / 5):
-            self.rss.update(baseline_mb=soak / 2**20, baseline_at_s=round(t, 1), worker_baseline_mb=worker / 2**20)
+            self.rss.update(
+                baseline_mb=soak / 2**20,
+                baseline_at_s=round(t, 1),
+                worker_baseline_mb=worker / 2**20,
+            )
         self.rss.update(end_mb=soak / 2**20, worker_end_mb=worker / 2**20)
 
     def run(self) -> int:
@@ -535,8 +728,18 @@ class Soak:
         t0 = time.monotonic()
         end = t0 + self.budget
         started = dt.datetime.now().isoformat(timespec="seconds")
-        live = Live(self._panel(0.0), console=console, refresh_per_second=2, transient=False,
-                    redirect_stdout=False, redirect_stderr=False) if not self.args.quiet else None
+        live = (
+            Live(
+                self._panel(0.0),
+                console=console,
+                refresh_per_second=2,
+                transient=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            if not self.args.quiet
+            else None
+        )
 
         def tick() -> None:
             t = time.monotonic() - t0
@@ -556,7 +759,9 @@ class Soak:
                 t_run = time.monotonic()
                 deadline, own = self._deadline(end)
                 status, r = self.worker.call(job, deadline, tick)
-                if status == "timeout" and not own:  # the budget ran out mid-run: not the run's fault
+                if (
+                    status == "timeout" and not own
+                ):  # the budget ran out mid-run: not the run's fault
                     self.cut += 1
                     for d in (self.dir / "runs").glob(f"*-soak-{job['seed']}-s{job['seed']}"):
                         shutil.rmtree(d, ignore_errors=True)
@@ -577,21 +782,38 @@ class Soak:
                 live.stop()
         elapsed = time.monotonic() - t0
         code = self.exit_code()
-        self.ledger.soak(id=self.id, started=started, finished=dt.datetime.now().isoformat(timespec="seconds"),
-                         commit_sha=self.commit, device=self.device, budget_s=self.budget,
-                         shard=f"{self.shard[0]}/{self.shard[1]}", seed_start=self.seed_start, runs=self.runs,
-                         exit_code=code, folder=str(self.dir))
+        self.ledger.soak(
+            id=self.id,
+            started=started,
+            finished=dt.datetime.now().isoformat(timespec="seconds"),
+            commit_sha=self.commit,
+            device=self.device,
+            budget_s=self.budget,
+            shard=f"{self.shard[0]}/{self.shard[1]}",
+            seed_start=self.seed_start,
+            runs=self.runs,
+            exit_code=code,
+            folder=str(self.dir),
+        )
         self.ledger.close()
         summary = self.summary(elapsed, code)
         (self.dir / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
         (self.dir / "soak-summary.md").write_text(render_md(summary), encoding="utf-8")
         (self.dir / "soak-summary.html").write_text(render_html(summary), encoding="utf-8")
-        if (self.dir / "runs").is_dir():  # the kept runs' index, once (not after every run of the night)
+        if (
+            self.dir / "runs"
+        ).is_dir():  # the kept runs' index, once (not after every run of the night)
             from kvchaos.harness.report.index import update_index
+
             try:
                 update_index(self.dir / "runs")
-            except Exception as e:  # the summary and the runs are written; only their listing is missing
-                print(f"could not write {self.dir / 'runs' / 'index.html'}: {type(e).__name__}: {e}", file=sys.stderr)
+            except (
+                Exception
+            ) as e:  # the summary and the runs are written; only their listing is missing
+                print(
+                    f"could not write {self.dir / 'runs' / 'index.html'}: {type(e).__name__}: {e}",
+                    file=sys.stderr,
+                )
         print(render_md(summary, brief=True))
         print(f"summary: {self.dir / 'soak-summary.md'}  ({self.dir / 'soak-summary.html'})")
         return code
@@ -611,42 +833,94 @@ class Soak:
         tab.add_column(style="bold")
         tab.add_column()
         colour = {PASS: "green", INCONCLUSIVE: "yellow"}
-        tab.add_row("elapsed", f"{_dur(t)} / {_dur(self.budget)}  ({min(100, 100 * t / self.budget):.0f}%)")
-        tab.add_row("runs", f"{self.runs}  (determinism replays {self.replays}, mismatches {len(self.nondet)})")
-        tab.add_row("verdicts", "  ".join(f"[{colour.get(v, 'red')}]{v} {n}[/]" for v, n in
-                                          sorted(self.counts.items())) or "-")
+        tab.add_row(
+            "elapsed", f"{_dur(t)} / {_dur(self.budget)}  ({min(100, 100 * t / self.budget):.0f}%)"
+        )
+        tab.add_row(
+            "runs",
+            f"{self.runs}  (determinism replays {self.replays}, mismatches {len(self.nondet)})",
+        )
+        tab.add_row(
+            "verdicts",
+            "  ".join(f"[{colour.get(v, 'red')}]{v} {n}[/]" for v, n in sorted(self.counts.items()))
+            or "-",
+        )
         unexpected = sum(1 for fp in self.incidents if fp[0] != "DETECTED")
         tab.add_row("incidents", f"{len(self.incidents)} fingerprints ({unexpected} unexpected)")
         tab.add_row("steps/s", f"{self.steps / t:.0f}" if t > 0 else "-")
-        tab.add_row("RSS", f"soak {self.rss.get('end_mb', 0):.0f} MiB, "
-                           f"worker {self.rss.get('worker_end_mb', 0):.0f} MiB")
+        tab.add_row(
+            "RSS",
+            f"soak {self.rss.get('end_mb', 0):.0f} MiB, "
+            f"worker {self.rss.get('worker_end_mb', 0):.0f} MiB",
+        )
         return tab
 
     def summary(self, elapsed: float, code: int) -> dict:
         rss = dict(self.rss)
         if "baseline_mb" in rss:
-            rss["growth_pct"] = round(100 * (rss["end_mb"] - rss["baseline_mb"]) / rss["baseline_mb"], 2)
+            rss["growth_pct"] = round(
+                100 * (rss["end_mb"] - rss["baseline_mb"]) / rss["baseline_mb"], 2
+            )
             if rss.get("worker_baseline_mb"):
-                rss["worker_growth_pct"] = round(100 * (rss["worker_end_mb"] - rss["worker_baseline_mb"])
-                                                 / rss["worker_baseline_mb"], 2)
-        incidents = [{"fingerprint": list(fp), **v} for fp, v in
-                     sorted(self.incidents.items(), key=lambda kv: (kv[0][0] == "DETECTED", -kv[1]["count"]))]
-        argv = ["kvchaos", "soak", "--budget", self.args.budget, "--device", self.device, "--shard",
-                f"{self.shard[0]}/{self.shard[1]}", "--seed-start", str(self.seed_start),
-                "--per-run-timeout", f"{self.args.per_run_timeout:g}"]
-        return {"soak": self.id, "folder": str(self.dir), "commit": self.commit, "device": self.device,
-                "budget_s": self.budget, "elapsed_s": round(elapsed, 1), "shard": list(self.shard),
-                "seed_start": self.seed_start, "first_seed": self.first_seed,
-                "last_seed": self.last_seed, "runs": self.runs,
-                "cut_at_budget_end": self.cut, "steps": self.steps,
-                "steps_per_s": round(self.steps / elapsed, 1) if elapsed else 0, "verdicts": dict(self.counts),
-                "determinism": {"replayed": self.replays, "mismatches": self.nondet},
-                "incidents": incidents, "unexpected": self.unexpected, "rss": rss, "exit_code": code,
-                "exit_meaning": _exit_meaning(code), "command": " ".join(argv),
-                "ledger": str(self.ledger_path()), "injected_hang_every": self.args.inject_hang_every}
+                rss["worker_growth_pct"] = round(
+                    100
+                    * (rss["worker_end_mb"] - rss["worker_baseline_mb"])
+                    / rss["worker_baseline_mb"],
+                    2,
+                )
+        incidents = [
+            {"fingerprint": list(fp), **v}
+            for fp, v in sorted(
+                self.incidents.items(), key=lambda kv: (kv[0][0] == "DETECTED", -kv[1]["count"])
+            )
+        ]
+        argv = [
+            "kvchaos",
+            "soak",
+            "--budget",
+            self.args.budget,
+            "--device",
+            self.device,
+            "--shard",
+            f"{self.shard[0]}/{self.shard[1]}",
+            "--seed-start",
+            str(self.seed_start),
+            "--per-run-timeout",
+            f"{self.args.per_run_timeout:g}",
+        ]
+        return {
+            "soak": self.id,
+            "folder": str(self.dir),
+            "commit": self.commit,
+            "device": self.device,
+            "budget_s": self.budget,
+            "elapsed_s": round(elapsed, 1),
+            "shard": list(self.shard),
+            "seed_start": self.seed_start,
+            "first_seed": self.first_seed,
+            "last_seed": self.last_seed,
+            "runs": self.runs,
+            "cut_at_budget_end": self.cut,
+            "steps": self.steps,
+            "steps_per_s": round(self.steps / elapsed, 1) if elapsed else 0,
+            "verdicts": dict(self.counts),
+            "determinism": {"replayed": self.replays, "mismatches": self.nondet},
+            "incidents": incidents,
+            "unexpected": self.unexpected,
+            "rss": rss,
+            "exit_code": code,
+            "exit_meaning": _exit_meaning(code),
+            "command": " ".join(argv),
+            "ledger": str(self.ledger_path()),
+            "injected_hang_every": self.args.inject_hang_every,
+        }
 
     def ledger_path(self) -> Path:
-        return Path(self.args.ledger) if self.args.ledger else Path(self.args.report_dir) / "ledger.sqlite"
+        return (
+            Path(self.args.ledger)
+            if self.args.ledger
+            else Path(self.args.report_dir) / "ledger.sqlite"
+        )
 
 
 def _exit_meaning(code: int) -> str:
@@ -659,54 +933,86 @@ def _exit_meaning(code: int) -> str:
 
 def _dur(s: float) -> str:
     s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+    )
 
 
 # -- the summary ------------------------------------------------------------------------------
 def _rss_line(rss: dict) -> str:
     if "growth_pct" not in rss:
         return "not measured (the soak ended before the baseline sample)"
-    return (f"soak process {rss['baseline_mb']:.1f} MiB at {rss['baseline_at_s']:g} s -> {rss['end_mb']:.1f} MiB at "
-            f"the end ({rss['growth_pct']:+.2f}%), peak {rss['peak_mb']:.1f} MiB; worker "
-            f"{rss['worker_baseline_mb']:.1f} -> {rss['worker_end_mb']:.1f} MiB "
-            f"({rss.get('worker_growth_pct', 0):+.2f}%), peak {rss['worker_peak_mb']:.1f} MiB")
+    return (
+        f"soak process {rss['baseline_mb']:.1f} MiB at {rss['baseline_at_s']:g} s -> {rss['end_mb']:.1f} MiB at "
+        f"the end ({rss['growth_pct']:+.2f}%), peak {rss['peak_mb']:.1f} MiB; worker "
+        f"{rss['worker_baseline_mb']:.1f} -> {rss['worker_end_mb']:.1f} MiB "
+        f"({rss.get('worker_growth_pct', 0):+.2f}%), peak {rss['worker_peak_mb']:.1f} MiB"
+    )
 
 
 def render_md(s: dict, brief: bool = False) -> str:
-    out = [f"# kvchaos soak {s['soak']}", "",
-           f"- result: **exit {s['exit_code']}** ({s['exit_meaning']})",
-           f"- {s['runs']} runs in {_dur(s['elapsed_s'])} of a {_dur(s['budget_s'])} budget on {s['device']}, "
-           f"commit {s['commit']}, shard {s['shard'][0]}/{s['shard'][1]}, seeds {s['first_seed']}..{s['last_seed']}"
-           + (f" ({s['cut_at_budget_end']} run stopped at the budget's end, not counted)"
-              if s["cut_at_budget_end"] else ""),
-           "- verdicts: " + (", ".join(f"{v} {n}" for v, n in sorted(s["verdicts"].items())) or "none"),
-           f"- {s['steps']} engine steps, {s['steps_per_s']} steps/s",
-           f"- determinism: {s['determinism']['replayed']} runs replayed, "
-           f"{len(s['determinism']['mismatches'])} mismatches",
-           f"- memory (RSS): {_rss_line(s['rss'])}",
-           f"- rerun this soak: `{s['command']}`; ledger: `{s['ledger']}`"]
+    out = [
+        f"# kvchaos soak {s['soak']}",
+        "",
+        f"- result: **exit {s['exit_code']}** ({s['exit_meaning']})",
+        f"- {s['runs']} runs in {_dur(s['elapsed_s'])} of a {_dur(s['budget_s'])} budget on {s['device']}, "
+        f"commit {s['commit']}, shard {s['shard'][0]}/{s['shard'][1]}, seeds {s['first_seed']}..{s['last_seed']}"
+        + (
+            f" ({s['cut_at_budget_end']} run stopped at the budget's end, not counted)"
+            if s["cut_at_budget_end"]
+            else ""
+        ),
+        "- verdicts: "
+        + (", ".join(f"{v} {n}" for v, n in sorted(s["verdicts"].items())) or "none"),
+        f"- {s['steps']} engine steps, {s['steps_per_s']} steps/s",
+        f"- determinism: {s['determinism']['replayed']} runs replayed, "
+        f"{len(s['determinism']['mismatches'])} mismatches",
+        f"- memory (RSS): {_rss_line(s['rss'])}",
+        f"- rerun this soak: `{s['command']}`; ledger: `{s['ledger']}`",
+    ]
     if brief:
         return "\n".join(out)
     if s["determinism"]["mismatches"]:
-        out += ["", "## Nondeterminism", "", "| seed | verdict | replayed verdict | digest | replay digest | run |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {m['seed']} | {m['verdict']} | {m['replay_verdict']} | `{(m['digest'] or '')[:12]}` | "
-                f"`{m['replay_digest'][:12]}` | `{m['run_dir']}` |" for m in s["determinism"]["mismatches"]]
-    out += ["", "## Incidents by fingerprint", "",
-            "Fingerprint: label (verdict, or DETECTED for a planted defect caught as expected) / failure mode / "
-            "checker / finding kind. Fastest: the seed where it showed at the earliest step.", "",
-            "| fingerprint | runs | first seed | fastest seed (step) | reproduce |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            "## Nondeterminism",
+            "",
+            "| seed | verdict | replayed verdict | digest | replay digest | run |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {m['seed']} | {m['verdict']} | {m['replay_verdict']} | `{(m['digest'] or '')[:12]}` | "
+            f"`{m['replay_digest'][:12]}` | `{m['run_dir']}` |"
+            for m in s["determinism"]["mismatches"]
+        ]
+    out += [
+        "",
+        "## Incidents by fingerprint",
+        "",
+        "Fingerprint: label (verdict, or DETECTED for a planted defect caught as expected) / failure mode / "
+        "checker / finding kind. Fastest: the seed where it showed at the earliest step.",
+        "",
+        "| fingerprint | runs | first seed | fastest seed (step) | reproduce |",
+        "|---|---|---|---|---|",
+    ]
     for inc in s["incidents"]:
-        out.append(f"| {fp_text(inc['fingerprint'])} | {inc['count']} | {inc['first_seed']} | "
-                   f"{inc['fastest_seed']} ({inc['fastest_step']}) | `kvchaos replay {inc['fastest_run']}`; "
-                   f"`kvchaos shrink {inc['fastest_run']}` |")
+        out.append(
+            f"| {fp_text(inc['fingerprint'])} | {inc['count']} | {inc['first_seed']} | "
+            f"{inc['fastest_seed']} ({inc['fastest_step']}) | `kvchaos replay {inc['fastest_run']}`; "
+            f"`kvchaos shrink {inc['fastest_run']}` |"
+        )
     if not s["incidents"]:
         out.append("| none | | | | |")
     out += ["", "## Unexpected runs", ""]
     if s["unexpected"]:
         out += ["| verdict | seed | mix | summary | run |", "|---|---|---|---|---|"]
-        out += [f"| {u['verdict']} | {u['seed']} | {u['mix'].split(': ', 1)[-1]} | {u['summary'].replace('|', '/')} | "
-                f"`{u['run_dir']}` |" for u in s["unexpected"]]
+        out += [
+            f"| {u['verdict']} | {u['seed']} | {u['mix'].split(': ', 1)[-1]} | {u['summary'].replace('|', '/')} | "
+            f"`{u['run_dir']}` |"
+            for u in s["unexpected"]
+        ]
     else:
         out.append("none")
     return "\n".join(out) + "\n"
@@ -721,28 +1027,37 @@ def _table(headers: tuple, rows: str) -> str:
 def render_html(s: dict) -> str:
     e = html.escape
     bad = s["exit_code"] != 0
-    rows = "".join(f"<tr><td>{e(fp_text(i['fingerprint']))}</td><td>{i['count']}</td><td>{i['first_seed']}</td>"
-                   f"<td>{i['fastest_seed']} (step {i['fastest_step']})</td><td><code>kvchaos replay "
-                   f"{e(i['fastest_run'])}</code></td></tr>" for i in s["incidents"])
-    unexp = "".join(f"<tr><td>{e(u['verdict'])}</td><td>{u['seed']}</td><td>{e(u['mix'])}</td>"
-                    f"<td>{e(u['summary'])}</td><td><code>{e(u['run_dir'])}</code></td></tr>" for u in s["unexpected"])
-    nondet = "".join(f"<tr><td>{m['seed']}</td><td>{e(m['verdict'])}</td><td>{e(m['replay_verdict'])}</td>"
-                     f"<td><code>{e(str(m['digest'])[:12])}</code></td><td><code>{e(m['replay_digest'][:12])}</code>"
-                     f"</td><td><code>{e(m['run_dir'])}</code></td></tr>" for m in s["determinism"]["mismatches"])
+    rows = "".join(
+        f"<tr><td>{e(fp_text(i['fingerprint']))}</td><td>{i['count']}</td><td>{i['first_seed']}</td>"
+        f"<td>{i['fastest_seed']} (step {i['fastest_step']})</td><td><code>kvchaos replay "
+        f"{e(i['fastest_run'])}</code></td></tr>"
+        for i in s["incidents"]
+    )
+    unexp = "".join(
+        f"<tr><td>{e(u['verdict'])}</td><td>{u['seed']}</td><td>{e(u['mix'])}</td>"
+        f"<td>{e(u['summary'])}</td><td><code>{e(u['run_dir'])}</code></td></tr>"
+        for u in s["unexpected"]
+    )
+    nondet = "".join(
+        f"<tr><td>{m['seed']}</td><td>{e(m['verdict'])}</td><td>{e(m['replay_verdict'])}</td>"
+        f"<td><code>{e(str(m['digest'])[:12])}</code></td><td><code>{e(m['replay_digest'][:12])}</code>"
+        f"</td><td><code>{e(m['run_dir'])}</code></td></tr>"
+        for m in s["determinism"]["mismatches"]
+    )
     verdicts = "".join(f"<li>{e(v)}: {n}</li>" for v, n in sorted(s["verdicts"].items()))
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvchaos soak {e(s['soak'])}</title>
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvchaos soak {e(s["soak"])}</title>
 <style>body{{font:14px system-ui,sans-serif;margin:2em;max-width:80em}}table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}}th{{background:#f3f3f3}}
 .bad{{color:#b00020}}.ok{{color:#1b7f3b}}code{{font-size:90%}}</style></head><body>
-<h1>kvchaos soak {e(s['soak'])}</h1>
-<p class="{'bad' if bad else 'ok'}"><b>exit {s['exit_code']}</b>: {e(s['exit_meaning'])}</p>
-<p>{s['runs']} runs in {_dur(s['elapsed_s'])} of a {_dur(s['budget_s'])} budget on {e(s['device'])}, commit
-{e(s['commit'])}, shard {s['shard'][0]}/{s['shard'][1]}, seeds {s['first_seed']}..{s['last_seed']};
-{s['steps']} engine steps ({s['steps_per_s']} steps/s); {s['determinism']['replayed']} determinism replays,
-{len(s['determinism']['mismatches'])} mismatches.</p>
+<h1>kvchaos soak {e(s["soak"])}</h1>
+<p class="{"bad" if bad else "ok"}"><b>exit {s["exit_code"]}</b>: {e(s["exit_meaning"])}</p>
+<p>{s["runs"]} runs in {_dur(s["elapsed_s"])} of a {_dur(s["budget_s"])} budget on {e(s["device"])}, commit
+{e(s["commit"])}, shard {s["shard"][0]}/{s["shard"][1]}, seeds {s["first_seed"]}..{s["last_seed"]};
+{s["steps"]} engine steps ({s["steps_per_s"]} steps/s); {s["determinism"]["replayed"]} determinism replays,
+{len(s["determinism"]["mismatches"])} mismatches.</p>
 <ul>{verdicts}</ul>
-<p>Memory (RSS): {e(_rss_line(s['rss']))}</p>
-<p>Rerun: <code>{e(s['command'])}</code>; ledger: <code>{e(s['ledger'])}</code></p>
+<p>Memory (RSS): {e(_rss_line(s["rss"]))}</p>
+<p>Rerun: <code>{e(s["command"])}</code>; ledger: <code>{e(s["ledger"])}</code></p>
 <h2>Nondeterminism</h2>{_table(("seed", "verdict", "replayed", "digest", "replay digest", "run"), nondet)}
 <h2>Incidents by fingerprint</h2>
 <p>label (verdict, or DETECTED for a planted defect caught as expected) / failure mode / checker / finding kind</p>
@@ -756,23 +1071,56 @@ td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:to
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--budget", required=True, help="how long to soak: 90s, 5m, 1h30m")
-    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
-    p.add_argument("--shard", default="1/1", metavar="I/N", help="take every N-th seed, offset I-1 (default 1/1)")
-    p.add_argument("--per-run-timeout", type=float, default=120.0, metavar="S",
-                   help=f"a run still going after S s is stopped, and killed {KILL_GRACE_S:g} s later (default 120)")
-    p.add_argument("--report-dir", default="reports", help="the soak's folder goes here (default: reports)")
-    p.add_argument("--seed-start", type=int, default=None, metavar="N",
-                   help="first seed (default: after the highest seed in the ledger)")
-    p.add_argument("--ledger", default=None, metavar="PATH",
-                   help="SQLite seed ledger (default: REPORT_DIR/ledger.sqlite)")
-    p.add_argument("--keep", choices=("incidents", "all"), default="incidents",
-                   help="keep every run's history.jsonl (all), or only those of runs that are not PASS or are "
-                        "the first or fastest of a fingerprint (incidents, the default)")
-    p.add_argument("--plots", choices=("none", "incidents", "all"), default=os.environ.get("KVCHAOS_PLOTS", "none"),
-                   help="plots in each run's report.html (default: none, or $KVCHAOS_PLOTS; "
-                        "`kvchaos analyze RUN_DIR` draws them later)")
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N"
+    )
+    p.add_argument(
+        "--shard",
+        default="1/1",
+        metavar="I/N",
+        help="take every N-th seed, offset I-1 (default 1/1)",
+    )
+    p.add_argument(
+        "--per-run-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help=f"a run still going after S s is stopped, and killed {KILL_GRACE_S:g} s later (default 120)",
+    )
+    p.add_argument(
+        "--report-dir", default="reports", help="the soak's folder goes here (default: reports)"
+    )
+    p.add_argument(
+        "--seed-start",
+        type=int,
+        default=None,
+        metavar="N",
+        help="first seed (default: after the highest seed in the ledger)",
+    )
+    p.add_argument(
+        "--ledger",
+        default=None,
+        metavar="PATH",
+        help="SQLite seed ledger (default: REPORT_DIR/ledger.sqlite)",
+    )
+    p.add_argument(
+        "--keep",
+        choices=("incidents", "all"),
+        default="incidents",
+        help="keep every run's history.jsonl (all), or only those of runs that are not PASS or are "
+        "the first or fastest of a fingerprint (incidents, the default)",
+    )
+    p.add_argument(
+        "--plots",
+        choices=("none", "incidents", "all"),
+        default=os.environ.get("KVCHAOS_PLOTS", "none"),
+        help="plots in each run's report.html (default: none, or $KVCHAOS_PLOTS; "
+        "`kvchaos analyze RUN_DIR` draws them later)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no live display, only the summary")
-    p.add_argument("--inject-hang-every", type=int, default=None, help=argparse.SUPPRESS)  # tests the hang kill
+    p.add_argument(
+        "--inject-hang-every", type=int, default=None, help=argparse.SUPPRESS
+    )  # tests the hang kill
 
 
 def main(args) -> int:
