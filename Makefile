@@ -1,5 +1,6 @@
 # make run   set up .venv if missing, then run the built-in scenario suite (CPU, or CUDA when present)
 # make test  set up .venv if missing, then run the tests
+# make lint  ruff check and ruff format --check (configured in pyproject.toml)
 # TORCH picks the torch requirement installed first; GPU machines: make TORCH='torch>=2.4' run
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -7,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test bench setup clean
+.PHONY: run test lint bench setup clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -23,6 +24,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: setup
 	$(BIN)/kvchaos bench $(ARGS)

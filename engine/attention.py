@@ -18,7 +18,8 @@ import torch.nn.functional as F
 def deterministic_writes():
     """Scatters where several writes hit one slot (a spilled row writing over a neighbour's) land in
     an unspecified order on CUDA; PyTorch's deterministic index_put keeps replays byte-identical.
-    On the CPU the engine's writes are a few rows on one thread (kvchaos pins torch to one): in order."""
+    On the CPU the engine's writes are a few rows on one thread (kvchaos pins torch to one): in
+    order."""
     was, warn_only = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -46,8 +47,8 @@ def write_kv(
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[..., blocks] table -> [..., num_tokens, kv_heads, head_dim]. Unused (-1) entries read block 0
-    and are masked by the caller."""
+    """[..., blocks] table -> [..., num_tokens, kv_heads, head_dim]. Unused (-1) entries read
+    block 0 and are masked by the caller."""
     bs = cache.shape[1]
     nblk = (num_tokens + bs - 1) // bs
     idx = table[..., :nblk].clamp(min=0)
@@ -153,7 +154,7 @@ def paged_prefill_torch(
     g, t = h // hkv, start + n
     k = _gather(k_cache, table_row, t)  # [T, Hkv, D]
     v = _gather(v_cache, table_row, t)
-    # GQA as in decode: a KV head's g query heads x n positions are its g * n queries, rows (head, pos).
+    # GQA as in decode: a KV head's g query heads x n positions are its g * n queries (head, pos).
     qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d).float()
     keep = (
         torch.arange(t, device=q.device)[None, :]

@@ -54,7 +54,8 @@ class ModelConfig:
         _require(
             self.num_heads % self.num_kv_heads == 0,
             "model.num_kv_heads",
-            f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+            f"num_heads ({self.num_heads}) must be a multiple of "
+            f"num_kv_heads ({self.num_kv_heads})",
         )
         _require(
             self.head_dim % 2 == 0,
@@ -130,7 +131,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_prefill_tokens: int = 256  # per-step prefill budget: longer prompts prefill in chunks
     tp_size: int = 1  # tensor-parallel ranks, each holding its own copy of the block table
-    tp_mode: str = "simulated"  # ranks in this process (kvchaos.engine.ranks), or real processes (kvchaos.engine.distributed)
+    # ranks in this process (kvchaos.engine.ranks), or real processes (kvchaos.engine.distributed)
+    tp_mode: str = "simulated"
 
     def __post_init__(self) -> None:
         _require(

@@ -57,7 +57,8 @@ class Engine:
         )
         if not isinstance(self.bm, BlockManagerProtocol):
             raise TypeError(
-                f"{type(self.bm).__name__} does not implement kvchaos.engine.protocols.BlockManagerProtocol"
+                f"{type(self.bm).__name__} does not implement "
+                "kvchaos.engine.protocols.BlockManagerProtocol"
             )
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
@@ -120,7 +121,8 @@ class Engine:
             or max_new_tokens <= 0
         ):
             raise InvalidRequest(
-                f"request {request_id!r}: max_new_tokens must be a positive int, got {max_new_tokens!r}"
+                f"request {request_id!r}: max_new_tokens must be a positive int, "
+                f"got {max_new_tokens!r}"
             )
         total = len(tokens) + max_new_tokens
         if total > self.config.model.max_position:
@@ -144,8 +146,8 @@ class Engine:
                 )
 
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int) -> None:
-        """Queue a request. Raises InvalidRequest (malformed) or RequestRejected (429: can never fit);
-        either way the engine is unchanged."""
+        """Queue a request. Raises InvalidRequest (malformed) or RequestRejected (429: can never
+        fit); either way the engine is unchanged."""
         try:
             prompt = list(prompt)
         except TypeError:
@@ -375,7 +377,7 @@ class Engine:
         return stale
 
     def _batch_inputs(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
-        """Each sequence's table row, and the step's token ids and positions: decode tokens first."""
+        """Each sequence's table row, and the step's token ids and positions (decode first)."""
         rows = self.bm.rows if hasattr(self.bm, "rows") else self.bm.snapshot().seq_rows
         tok, pos = [], []
         for s in decode:

@@ -20,7 +20,7 @@ class RequestRejected(KVChaosError):
 
 
 class OutOfBlocks(KVChaosError):
-    """The pool has no free block. The scheduler preempts or waits; callers see this only if misused."""
+    """The pool has no free block. The scheduler preempts or waits; only misuse surfaces it."""
 
 
 class TableOverflow(KVChaosError):

@@ -35,7 +35,7 @@ class Sequence:
 
     @property
     def phase(self) -> str:
-        """Where in its life the sequence is: waiting, prefill, decode, preempted, finished, cancelled."""
+        """Its stage: waiting, prefill, decode, preempted, finished, cancelled."""
         if self.state is State.RUNNING:
             return "decode" if self.uncomputed == 1 else "prefill"
         return self.state.value

@@ -1,4 +1,4 @@
-"""Paged-attention decode in Triton (flash-decoding / split-KV), matching attention.paged_decode_torch.
+"""Paged-attention decode in Triton (flash-decoding, split-KV): attention.paged_decode_torch's twin.
 
 Kernel 1 runs on a (batch, kv_head, split) grid. Each program takes every query head of its KV-head
 group as one [G_PAD, D_PAD] tile, walks its share of the sequence BLOCK_N tokens at a time (reading

@@ -14,7 +14,7 @@ from kvchaos.engine.engine import Engine
 
 class ParamError(ValueError):
     """A fault param with an unknown name or a value outside its domain. key is its path under the
-    fault's params (paths.1 for a list's element), so a scenario file can name faults.N.params.key."""
+    fault's params (paths.1 for a list's element): a scenario file names faults.N.params.key."""
 
     def __init__(self, fault: str, key: str, reason: str) -> None:
         super().__init__(f"fault {fault}: params.{key}: {reason}")
@@ -106,12 +106,11 @@ class Fault:
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
-        if set(cls.domains) != set(
-            cls.defaults
-        ):  # a fault's author learns at import, not from a KeyError
+        # a fault's author learns at import, not from a KeyError
+        if set(cls.domains) != set(cls.defaults):
             raise TypeError(
-                f"fault {cls.name or cls.__name__}: domains {sorted(cls.domains)} must name exactly "
-                f"the params of defaults {sorted(cls.defaults)}"
+                f"fault {cls.name or cls.__name__}: domains {sorted(cls.domains)} "
+                f"must name exactly the params of defaults {sorted(cls.defaults)}"
             )
 
     @classmethod

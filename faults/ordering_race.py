@@ -19,7 +19,7 @@ class OrderingRace(Fault):
         "version is refused."
     )
     defaults = {"lag_rank": 1, "lag_steps": 1, "probability": 0.3, "from_step": 3}
-    # lag_steps 0 is no lag (the update lands on time); lag_rank's upper bound is the engine's tp_size
+    # lag_steps 0: no lag (the update lands on time); lag_rank's upper bound: the engine's tp_size
     domains = {
         "lag_rank": Num(int, ge=0),
         "lag_steps": Num(int, ge=1),

@@ -13,8 +13,9 @@ class TableOverflow(Fault):
     detectors = ("table_integrity", "oracle_divergence")
     root_cause = (
         "No bound check on the block-table index: a sequence longer than max_blocks_per_seq x "
-        "block_size wrote its next block id at row * width + index with index >= width, i.e. into "
-        "the next row of the flat table, which the neighbouring sequence (and the kernel) then read."
+        "block_size wrote its next block id at row * width + index with index >= width, i.e. "
+        "into the next row of the flat table, which the neighbouring sequence (and the kernel) "
+        "then read."
     )
     remediation = (
         "Check the length at admission: reject a request that can never fit with a 429-style "

@@ -98,8 +98,10 @@ def cmd_run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvchaos.engine.distributed import Cluster, external_launch, serve
-    from kvchaos.harness.judge.runner import load_object, resolve_device, run_scenario
+    from kvchaos.engine.cluster import Cluster, external_launch
+    from kvchaos.engine.follower import serve
+    from kvchaos.harness.judge.runner import resolve_device, run_scenario
+    from kvchaos.harness.judge.user_code import load_object
     from kvchaos.harness.report.render import publish
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
@@ -165,7 +167,8 @@ def cmd_run(args) -> int:
                 update_index(Path(args.report_dir), newest=results[-1].run_dir)
             except Exception as e:  # the runs are on disk; only the listing is stale
                 console.print(
-                    f"[yellow]could not update {args.report_dir}/index.html: {type(e).__name__}: {e}[/]"
+                    f"[yellow]could not update {args.report_dir}/index.html: "
+                    f"{type(e).__name__}: {e}[/]"
                 )
     _print_table(console, results, args.quiet)
     if results[-1].results.get("reason") == "interrupted":
@@ -261,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--block-manager",
         metavar="MODULE:ATTR",
-        help="run under your own BlockManager (kvchaos.engine.protocols.BlockManagerProtocol), called as "
+        help="run under your own BlockManager "
+        "(kvchaos.engine.protocols.BlockManagerProtocol), called as "
         "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)",
     )
     run.add_argument(
@@ -273,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--tp-mode",
         choices=["simulated", "distributed"],
-        help="tensor-parallel ranks in this process, or real torch.distributed processes (gloo on the "
+        help="tensor-parallel ranks in this process, or real torch.distributed processes "
+        "(gloo on the "
         "CPU, NCCL on GPUs; or launch under torchrun) (default: the scenario's engine.tp_mode)",
     )
     run.add_argument(

@@ -7,8 +7,9 @@
 Fixtures for hand-written tests: `kvchaos_run` (run a scenario, a file or a dict, with the command
 line's options) and `kvchaos_engine` (an Engine built on the configured block manager).
 
-pytest loads this plugin in every session of an environment where kvchaos is installed: it imports
-nothing heavy (no torch, no pydantic) until a scenario file is collected or a kvchaos option is used."""
+pytest loads this plugin in every session of an environment where kvchaos is installed: it
+imports nothing heavy (no torch, no pydantic) until a scenario file is collected or a kvchaos
+option is used."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def pytest_addoption(parser) -> None:
         "--kvchaos-block-manager",
         default=None,
         metavar="MODULE:ATTR",
-        help="run every scenario under this BlockManager (kvchaos.engine.protocols.BlockManagerProtocol)",
+        help="run every scenario under this BlockManager "
+        "(kvchaos.engine.protocols.BlockManagerProtocol)",
     )
 
 
@@ -62,7 +64,7 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     spec = config.getoption("--kvchaos-block-manager", None)
     if spec:  # a bad spec is one usage error, not an ERROR on every item
-        from kvchaos.harness.judge.runner import load_object
+        from kvchaos.harness.judge.user_code import load_object
 
         try:
             load_object(spec)
@@ -94,7 +96,8 @@ def pytest_sessionfinish(session) -> None:
             Exception
         ) as e:  # the runs and their reports are written: a stale listing fails no test
             session.config.get_terminal_writer().line(
-                f"kvchaos: could not update {newest.parent / 'index.html'}: {type(e).__name__}: {e}",
+                f"kvchaos: could not update {newest.parent / 'index.html'}: "
+                f"{type(e).__name__}: {e}",
                 yellow=True,
             )
 
@@ -110,7 +113,7 @@ def is_scenario_file(path: Path) -> bool:
     try:
         return "scenario" in tomllib.loads(text)
     except tomllib.TOMLDecodeError:
-        # a broken file where scenarios live, or one with a [scenario] table: report it, never skip it
+        # a broken file where scenarios live, or with a [scenario] table: report it, never skip it
         return (
             path.parent.name == "scenarios"
             or re.search(r"(?m)^\s*\[\s*scenario\s*\]", text) is not None
@@ -213,7 +216,8 @@ class ScenarioItem(pytest.Item):
 @pytest.fixture
 def kvchaos_run(request, tmp_path):
     """Run a scenario (a Scenario, a file path, a built-in name, or a dict in the file's shape)
-    with the command line's device and block manager; returns kvchaos.harness.judge.runner.RunResult."""
+    with the command line's device and block manager; returns
+    kvchaos.harness.judge.runner.RunResult."""
     from kvchaos.harness.judge.runner import run_scenario
     from kvchaos.harness.judge.scenario import Scenario, load_scenario, parse_scenario
     from kvchaos.harness.report.render import publish
@@ -237,7 +241,7 @@ def kvchaos_run(request, tmp_path):
 def kvchaos_engine(request):
     """Build an Engine (engine.Engine) from an EngineConfig on the configured block manager."""
     from kvchaos.engine.engine import Engine
-    from kvchaos.harness.judge.runner import load_object
+    from kvchaos.harness.judge.user_code import load_object
 
     spec = request.config.getoption("--kvchaos-block-manager")
 

@@ -6,8 +6,8 @@
 #
 # Leaves gpu-check.json, gpu-check.md, gpu-check.log, gpu-tests.xml and bench-kernel.json in $OUT
 # (run folders go to $WORK, default /tmp/kvchaos-gpu-check, so $OUT stays small).
-# It is `kvchaos gpu-check`, run as `python3 -m kvchaos.harness.bench.gpu_check`: the kvchaos CLI imports every
-# tool module, so one tool's missing dependency would stop the check before it starts.
+# It is `kvchaos gpu-check`, run as `python3 -m kvchaos.harness.bench.gpu_check`: the kvchaos CLI
+# imports every tool module, so one tool's missing dependency would stop the check before it starts.
 #
 # What each stage needs beyond torch + triton:
 #   env, bench_kernel, staging   nothing
@@ -21,7 +21,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# kvchaos need not be installed: a folder holding a link named kvchaos to this checkout is enough
+PKGROOT="$(mktemp -d)"
+ln -s "$PWD" "$PKGROOT/kvchaos"
+export PYTHONPATH="$PKGROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .deps ]; then PYTHONPATH="$PYTHONPATH:$PWD/.deps"; fi
 export PYTHONUNBUFFERED=1
 exec "$PY" -m kvchaos.harness.bench.gpu_check --out "${OUT:-reports/gpu-check}" --work-dir "${WORK:-/tmp/kvchaos-gpu-check}" "$@"

@@ -6,7 +6,8 @@ import torch
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """The reference model is tiny: intra-op threads only contend (10x slower on a loaded 2-core box)."""
+    """The reference model is tiny: intra-op threads only contend (10x slower on a loaded 2-core
+    box)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -15,7 +15,8 @@ BS, HKV, G, D = 4, 2, 2, 8
 
 
 def pool_and_tables(lens: list[int], seed: int, bs: int = BS, hkv: int = HKV, d: int = D):
-    """K/V pools and a table whose rows map each sequence's blocks to shuffled pool blocks, -1 after."""
+    """K/V pools and a table whose rows map each sequence's blocks to shuffled pool blocks,
+    -1 after."""
     g = torch.Generator().manual_seed(seed)
     nb = sum(-(-n // bs) for n in lens) + 3
     kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
@@ -114,8 +115,8 @@ def test_deterministic_writes_restores_the_global_mode(was):
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_paged_attention_matches_naive_on_random_shapes(data):
-    """Any GQA grouping, block size and mix of lengths: decode (with and without a shared plan) and a
-    prefill chunk starting anywhere agree with the per-token softmax (float64 reference)."""
+    """Any GQA grouping, block size and mix of lengths: decode (with and without a shared plan)
+    and a prefill chunk starting anywhere agree with the per-token softmax (float64 reference)."""
     hkv, g = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
     bs, d = data.draw(st.sampled_from([1, 2, 4, 8])), data.draw(st.sampled_from([2, 4, 8]))
     lens = data.draw(st.lists(st.integers(1, 20), min_size=1, max_size=5))

@@ -158,7 +158,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         overflow = any(
             self.tokens[s] % bs == 0 and len(bm.blocks[s]) >= bm.table.width for s in batch
         )
-        # Exact need, applying the batch in order (one side's copy-on-write unshares the other side).
+        # Exact need, applying the batch in order (one side's copy-on-write unshares the other).
         ref = list(bm.pool.ref)
         exact, will_cow = 0, []
         for s in batch:
@@ -221,7 +221,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(i=st.integers(0, 100), child_side=st.booleans(), n=st.integers(1, 5), batch=st.booleans())
     def fork_then_write(self, i, child_side, n, batch):
-        """Fork, then write to one side at once: copy-on-write whenever the last block is partial."""
+        """Fork, then write to one side at once: copy-on-write when the last block is partial."""
         forked = self.do_fork(i)
         if forked is None:
             return

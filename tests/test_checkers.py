@@ -96,8 +96,8 @@ def snapshot(
     ref_counts=None,
     table=None,
 ):
-    """A consistent block-manager snapshot unless a field is overridden: ref counts from the holders,
-    every unreferenced block free, each sequence's row = its blocks padded with -1."""
+    """A consistent block-manager snapshot unless a field is overridden: ref counts from the
+    holders, every unreferenced block free, each sequence's row = its blocks padded with -1."""
     seq_rows = dict(seq_rows if seq_rows is not None else {s: i for i, s in enumerate(seq_blocks)})
     refs = [0] * num_blocks
     for blocks in seq_blocks.values():

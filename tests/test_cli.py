@@ -181,11 +181,15 @@ def test_argparse_errors_exit_2_naming_the_flag(capsys):
 
 
 LEAK_FAULT = '[[faults]]\nname = "refcount_leak"\n'
-SMALL = "[workload]\nnum_requests = 8\nfork_groups = 1\n[engine.cache]\nnum_blocks = 48\nblock_size = 4\n"
+SMALL = (
+    "[workload]\nnum_requests = 8\nfork_groups = 1\n"
+    "[engine.cache]\nnum_blocks = 48\nblock_size = 4\n"
+)
 
 
 def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
-    """One scenario per verdict, each through the command line; several at once exit with the worst."""
+    """One scenario per verdict, each through the command line; several at once exit with the
+    worst."""
     files = {
         "PASS": write_scenario(
             tmp_path,

@@ -1,7 +1,7 @@
-"""Real tensor-parallel ranks (kvchaos.engine.distributed) on gloo CPU processes: the ordering race's planted
-defect is caught and its remediation holds with real ranks, with the same verdicts and evidence as
-the in-process simulation; tokens and logits are bit-identical to the simulation's; a rank that
-dies or hangs is an ERROR naming it, and no process is left behind."""
+"""Real tensor-parallel ranks (kvchaos.engine.distributed) on gloo CPU processes: the ordering
+race's planted defect is caught and its remediation holds with real ranks, with the same verdicts
+and evidence as the in-process simulation; tokens and logits are bit-identical to the
+simulation's; a rank that dies or hangs is an ERROR naming it, and no process is left behind."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from kvchaos.engine import CacheConfig, Engine, EngineConfig
-from kvchaos.engine.distributed import TEST_FAULT_ENV, Cluster, DistEngine, StaleTable
+from kvchaos.engine.cluster import Cluster
+from kvchaos.engine.distributed import DistEngine
+from kvchaos.engine.follower import TEST_FAULT_ENV
+from kvchaos.engine.shard import StaleTable
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
 
@@ -61,7 +64,7 @@ def test_same_verdict_and_evidence_as_the_simulation(cluster, name, seed):
 
 
 def _drive(engine, sync: bool) -> list:
-    """A workload with chunked prefill, preemption (small pool), a fork (copy-on-write) and a cancel;
+    """A workload with chunked prefill, preemption (small pool), a fork (copy-on-write), a cancel;
     rank 1's table update arrives a step late every fifth step."""
     engine.seams.rank_sync = sync
     engine.seams.rank_delay = lambda rank, step: 1 if rank == 1 and step % 5 == 0 else 0
@@ -114,7 +117,7 @@ def test_tokens_and_logits_bit_identical_to_the_simulation(cluster, sync):
 
 
 def test_a_rank_on_a_stale_table_version_refuses_the_step(cluster, monkeypatch):
-    """The remediation's last line: were an update in flight not waited for, no rank would compute."""
+    """The remediation's last line: were an update in flight not waited for, no rank computes."""
     eng = DistEngine(EngineConfig(tp_size=2), cluster=cluster)
     monkeypatch.setattr(eng.ranks, "sync", lambda: 0)  # the wait for updates in flight, broken
     try:
@@ -138,7 +141,8 @@ def _three_rank_scenario():
 
 
 def test_a_rank_that_dies_is_an_error_naming_it_and_nothing_is_left(cluster, monkeypatch):
-    cluster.close()  # relaunched below with the hook in its environment (one process group at a time)
+    # relaunched below with the hook in its environment (one process group at a time)
+    cluster.close()
     before = _children()
     monkeypatch.setenv(
         TEST_FAULT_ENV, "die:1:6"
@@ -194,15 +198,15 @@ def test_world_size_must_divide_the_kv_heads():
 
 
 def test_rank_devices_follow_the_configured_gpu(monkeypatch):
-    from kvchaos.engine.distributed import _rank_device
+    from kvchaos.engine.cluster import rank_device
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert _rank_device("cuda:1", 0) == torch.device("cuda", 1)
-    assert _rank_device("cuda:1", 2) == torch.device("cuda", 3)
-    assert _rank_device("cuda", 1) == torch.device("cuda", 1)
-    assert _rank_device("cpu", 3) == torch.device("cpu")
+    assert rank_device("cuda:1", 0) == torch.device("cuda", 1)
+    assert rank_device("cuda:1", 2) == torch.device("cuda", 3)
+    assert rank_device("cuda", 1) == torch.device("cuda", 1)
+    assert rank_device("cpu", 3) == torch.device("cpu")
     monkeypatch.setenv("LOCAL_RANK", "5")  # a launcher placed this rank
-    assert _rank_device("cuda:1", 2) == torch.device("cuda", 5)
+    assert rank_device("cuda:1", 2) == torch.device("cuda", 5)
 
 
 def test_nccl_ranks_beyond_the_gpus_are_refused_before_any_process_starts(monkeypatch):

@@ -97,7 +97,8 @@ def assert_all_free(eng: Engine) -> None:
 
 @pytest.fixture
 def busy():
-    """An engine mid-run: one finished, one cancelled, some running (prefill/decode), one waiting."""
+    """An engine mid-run: one finished, one cancelled, some running (prefill/decode), one
+    waiting."""
     eng = make_engine()
     logits: dict = {}
     eng.add_request("done", [1, 2, 3], 1)
@@ -336,7 +337,8 @@ def test_blocks_in_budget():
     assert blocks_in_budget(m, 8, per_block * 10 - 1) == 9  # whole blocks only
     assert blocks_in_budget(m, 8, per_block - 1) == 0
     assert blocks_in_budget(m, 16, per_block * 10) == 5
-    # a 1 GiB budget of a Llama-7B-shaped cache (32 layers, 32 KV heads, 128 dims, fp16): 512 KiB a token
+    # a 1 GiB budget of a Llama-7B-shaped cache (32 layers, 32 KV heads, 128 dims, fp16):
+    # 512 KiB a token
     llama = ModelConfig(
         num_layers=32,
         hidden_size=4096,

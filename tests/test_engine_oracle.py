@@ -1,9 +1,10 @@
 """The paged engine against the contiguous-cache oracle on seeded random workloads.
 
 Every logit row the engine emits (StepOutput.logits) is collected per request; after the run each
-request, finished or cancelled, is replayed by kvchaos.harness.judge.oracle.Oracle (teacher forcing on the
-engine's own tokens) and must not diverge. Workloads cover staggered arrivals, chunked prefill,
-preemption on a small pool, forks that share blocks (copy-on-write) and cancels in every state.
+request, finished or cancelled, is replayed by kvchaos.harness.judge.oracle.Oracle (teacher
+forcing on the engine's own tokens) and must not diverge. Workloads cover staggered arrivals,
+chunked prefill, preemption on a small pool, forks that share blocks (copy-on-write) and cancels
+in every state.
 Block accounting is checked after every step and, at the end, every block must be free.
 """
 
@@ -141,7 +142,7 @@ class Driver:
         return self
 
     def check_oracle(self) -> int:
-        """Every request is done and matches the oracle; returns how many logit rows were checked."""
+        """Every request is done and matches the oracle; returns how many logit rows it checked."""
         eng = self.engine
         oracle = Oracle(eng.model)
         checked = 0
@@ -232,7 +233,7 @@ def test_forks_share_prefix_and_copy_on_write():
 
 
 def test_fork_of_waiting_and_preempted_parent():
-    # Parents that hold no blocks: the child queues with the parent's tokens and prefills them itself.
+    # Parents holding no blocks: the child queues with the parent's tokens and prefills them itself.
     eng = make_engine(
         num_blocks=10, block_size=4, max_blocks_per_seq=10, max_num_seqs=3, max_prefill_tokens=8
     )

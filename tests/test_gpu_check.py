@@ -1,5 +1,5 @@
-"""The GPU check, the kernel bench and the staging measurement on a machine without CUDA: they refuse
-clearly; the kernel bench's code path runs through the Triton interpreter; the check's stage
+"""The GPU check, the kernel bench and the staging measurement on a machine without CUDA: they
+refuse clearly; the kernel bench's code path runs through the Triton interpreter; the check's stage
 orchestration (time limits, failures, budget, summaries) runs as a CPU dry run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchaos.harness.bench import gpu_check
+from kvchaos.harness.bench import gpu_check, gpu_stages
 from kvchaos.harness.bench.staging import (
     NOT_APPLICABLE,
     StagingBuffer,
@@ -138,11 +138,14 @@ def test_junit_summary(tmp_path):
     xml = tmp_path / "j.xml"
     xml.write_text("""<testsuites><testsuite tests="4" failures="1" errors="1" skipped="1">
       <testcase classname="tests.test_gpu" name="test_a"/>
-      <testcase classname="tests.test_gpu" name="test_b"><failure message="assert 1 == 2">trace</failure></testcase>
-      <testcase classname="tests.test_gpu" name="test_c"><skipped message="needs a CUDA GPU"/></testcase>
-      <testcase classname="" name="tests.test_x"><error message="collection failure">No module named 'pydantic'</error>
+      <testcase classname="tests.test_gpu" name="test_b">
+        <failure message="assert 1 == 2">trace</failure></testcase>
+      <testcase classname="tests.test_gpu" name="test_c">
+        <skipped message="needs a CUDA GPU"/></testcase>
+      <testcase classname="" name="tests.test_x">
+        <error message="collection failure">No module named 'pydantic'</error>
       </testcase></testsuite></testsuites>""")
-    r = gpu_check._junit(xml)
+    r = gpu_stages.junit_summary(xml)
     assert (r["tests"], r["failures"], r["errors"], r["skipped"]) == (4, 1, 1, 1)
     assert [f["test"] for f in r["failed"]] == ["tests.test_gpu::test_b"]
     assert r["collection_errors"][0]["text"] == "No module named 'pydantic'"
@@ -226,14 +229,15 @@ def test_bad_stage_name_is_refused():
 
 
 def test_soak_stage_without_rich_or_psutil_is_not_available(monkeypatch):
-    """The soak imports rich and psutil with no fallback: without them the stage must say so, not fail."""
-    real = gpu_check.importlib.util.find_spec
+    """The soak imports rich and psutil with no fallback: without them the stage must say so,
+    not fail."""
+    real = gpu_stages.importlib.util.find_spec
     monkeypatch.setattr(
-        gpu_check.importlib.util,
+        gpu_stages.importlib.util,
         "find_spec",
         lambda name, *a: None if name in ("rich", "psutil") else real(name, *a),
     )
-    r = gpu_check.stage_soak(
+    r = gpu_stages.stage_soak(
         {"limit_s": 100, "env": ENV, "device": "cpu", "work": "/tmp/kvchaos-unused", "started": 0.0}
     )
     assert r == {

@@ -57,9 +57,8 @@ class Leaky(BlockManager):
 
 def scenario(name: str, body: str = "", tags=(), seeds=(0,)) -> str:
     return (
-        f'[scenario]\nname = "{name}"\ntags = {json.dumps(list(tags))}\nseeds = {json.dumps(list(seeds))}\n'
-        + SMALL
-        + body
+        f'[scenario]\nname = "{name}"\ntags = {json.dumps(list(tags))}\n'
+        f"seeds = {json.dumps(list(seeds))}\n" + SMALL + body
     )
 
 

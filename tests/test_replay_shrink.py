@@ -18,10 +18,11 @@ from kvchaos.harness.cli import main as cli_main
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
 from kvchaos.harness.judge.toml_writer import dumps
+from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.replay import replay
 from kvchaos.harness.tools.shrink import add_arguments as shrink_arguments
 from kvchaos.harness.tools.shrink import main as shrink_main
-from kvchaos.harness.tools.soak import fingerprints, generate_scenario
+from kvchaos.harness.tools.soak_space import generate_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 

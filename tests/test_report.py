@@ -90,7 +90,8 @@ def test_every_section_is_there_and_filled_from_the_run(runs, name):
     assert det["time_to_detect_steps"] == r.results["time_to_detect_steps"][fault]
     assert det["first_step"] == verify["first_step"] + det["time_to_detect_steps"]
     assert det["evidence"] and det["time_to_detect_ms"] > 0
-    # root cause and remediation: the planted defect's own knowledge, known (reference block manager)
+    # root cause and remediation: the planted defect's own knowledge, known (reference block
+    # manager)
     assert inc["root_cause"] == {
         "status": "known",
         "text": REGISTRY[fault].root_cause,
@@ -138,7 +139,8 @@ def test_table_overflow_names_the_victim_row_and_the_intruders(runs):
     assert after["table"][ev["row"] * w : (ev["row"] + 1) * w] == ev["after"]
     assert before["table"][ev["row"] * w : (ev["row"] + 1) * w] == ev["before"]
     assert ev["intruders"] and all(b in ev["after"] for b in ev["intruders"])
-    # the intruders are the overflowing request's blocks past its row's width, and its row is the one above
+    # the intruders are the overflowing request's blocks past its row's width, and its row is
+    # the one above
     over = next(e for e in inc["detection"]["evidence"] if e["type"] == "overlong")
     assert over["victim_row"] == ev["row"] == over["row"] + 1
     assert set(ev["intruders"]) <= set(after["seq_blocks"][over["req"]][w:])

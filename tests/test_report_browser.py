@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(
     reason="no chromium at /usr/bin/chromium or on PATH: "
     "install it with `apt-get install -y chromium` to run the browser tests",
 )
-# colours only the figure draws: tab:blue (latency and request lines), tab:green (free blocks), tab:red (diverged)
+# colours only the figure draws: tab:blue (latency and request lines), tab:green (free blocks),
+# tab:red (diverged)
 BLUE, GREEN, RED = (31, 119, 180), (44, 160, 44), (214, 39, 40)
 
 

@@ -157,7 +157,7 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
 ):
     """The oracle checks requests in batches; a failure at the run's end (here the final snapshot)
     must not take the queued checks with it, and Ctrl-C while checking still leaves the record."""
-    from kvchaos.harness.judge.runner import _Run
+    from kvchaos.harness.judge.live import LiveRun
 
     clean = run_scenario(tiny, 0, report_dir=tmp_path / "clean")
     checked = {
@@ -165,21 +165,21 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
     }
     assert len(checked) >= 4
 
-    real = _Run.snapshot
+    real = LiveRun.snapshot
 
     def snapshot(self, step):
         if step > self.engine.step_count:  # the final one, stamped one past the last step
             raise RuntimeError("snapshot broke")
         return real(self, step)
 
-    monkeypatch.setattr(_Run, "snapshot", snapshot)
+    monkeypatch.setattr(LiveRun, "snapshot", snapshot)
     r = run_scenario(tiny, 0, report_dir=tmp_path / "broken")
     assert r.verdict == "ERROR" and "snapshot broke" in r.summary
     assert {
         e["req"] for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "oracle"
     } == checked
 
-    monkeypatch.setattr(_Run, "snapshot", real)
+    monkeypatch.setattr(LiveRun, "snapshot", real)
     monkeypatch.setattr(
         "kvchaos.harness.judge.oracle.Oracle.check_many",
         lambda self, items: (_ for _ in ()).throw(KeyboardInterrupt),
@@ -198,7 +198,8 @@ def test_timeout_is_an_error(tiny):
 @pytest.mark.parametrize(
     "fault, message",
     [
-        # bad param values are refused at load (tests/test_scenario.py); an engine the fault cannot arm on is left
+        # bad param values are refused at load (tests/test_scenario.py); an engine the fault
+        # cannot arm on is left
         (
             {"name": "ordering_race", "defect": False},
             "fault ordering_race needs engine.tp_size >= 2",
@@ -212,15 +213,15 @@ def test_a_fault_that_cannot_arm_is_a_clear_error(tiny, fault, message):
 
 
 def test_a_rank_whose_first_update_is_late_computes_on_an_empty_table_not_crashes():
-    # seed 6: the first request arrives at step 4, after the lag has started; rank 1 had no table yet
+    # seed 6: the first request arrives at step 4, after the lag started; rank 1 had no table yet
     r = run_scenario(load_scenario("ordering-race-detect"), 6, report_dir=None)
     assert r.verdict == "PASS", r.summary
     assert r.results["time_to_detect_steps"]["ordering_race"] <= 2
 
 
 def test_cancel_events_record_the_phase_the_request_was_in(tmp_path):
-    """A cancel while sharing blocks is recorded with the phase it interrupted (and shared=True), not
-    the state the cancel left it in."""
+    """A cancel while sharing blocks is recorded with the phase it interrupted (and shared=True),
+    not the state the cancel left it in."""
     r = run_scenario(load_scenario("baseline-clean"), 0, report_dir=tmp_path)
     cancels = [e for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "cancel"]
     assert {e["phase"] for e in cancels} <= {"waiting", "prefill", "decode", "preempted"}
@@ -275,8 +276,8 @@ def test_no_report_dir_writes_nothing(tiny, tmp_path, monkeypatch):
 
 # -- a user's own BlockManager -----------------------------------------------------------------
 class ProtocolOnlyBM:
-    """A user's block manager that offers only kvchaos.engine.protocols.BlockManagerProtocol (no fast decode
-    path, no `rows`), here by wrapping the reference one."""
+    """A user's block manager that offers only kvchaos.engine.protocols.BlockManagerProtocol (no
+    fast decode path, no `rows`), here by wrapping the reference one."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq):
         self._bm = BlockManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
@@ -320,9 +321,9 @@ class ProtocolOnlyBM:
 
 
 class LeakyBM(BlockManager):
-    """A user's block manager with the classic bug: free() returns early, releasing nothing, when the
-    sequence still shares a block with another one (a fork or a shared prefix) - so cancelling or
-    finishing a forked request leaks its references."""
+    """A user's block manager with the classic bug: free() returns early, releasing nothing, when
+    the sequence still shares a block with another one (a fork or a shared prefix) - so
+    cancelling or finishing a forked request leaks its references."""
 
     def free(self, seq_id):
         blocks = self.blocks.get(seq_id)

@@ -133,7 +133,8 @@ MALFORMED = [
     ("[engine]\nmodel = 3\n", ["engine.model: expected a table"]),
     ('[[faults]]\nname = "refcount_leak"\n', ["expect.outcome 'clean' with a planted defect"]),
     (
-        '[[faults]]\nname = "refcount_leak"\ndefect = false\n[expect]\noutcome = "detect"\nchecker = ["x"]\n',
+        '[[faults]]\nname = "refcount_leak"\ndefect = false\n'
+        '[expect]\noutcome = "detect"\nchecker = ["x"]\n',
         ["expect.checker: unknown key", "'checkers'"],
     ),
     (
@@ -149,7 +150,8 @@ MALFORMED = [
         ["'detect' needs at least one checker"],
     ),
     (
-        '[[faults]]\nname = "refcount_leak"\n[expect]\noutcome = "detect"\ncheckers = ["leak_detector"]\n',
+        '[[faults]]\nname = "refcount_leak"\n'
+        '[expect]\noutcome = "detect"\ncheckers = ["leak_detector"]\n',
         ["unknown checker 'leak_detector'", "'block_accounting'", "'liveness'"],
     ),
     (
@@ -217,7 +219,10 @@ BAD_PARAMS = [
 
 
 def _fault_body(fault: str, params: str) -> str:
-    return f'[engine]\ntp_size = 2\n[[faults]]\nname = "{fault}"\ndefect = false\nparams = {{ {params} }}\n'
+    return (
+        f'[engine]\ntp_size = 2\n[[faults]]\nname = "{fault}"\n'
+        f"defect = false\nparams = {{ {params} }}\n"
+    )
 
 
 @pytest.mark.parametrize(

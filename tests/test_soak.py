@@ -19,17 +19,10 @@ from kvchaos.faults import REGISTRY
 from kvchaos.harness.cli import main as cli_main
 from kvchaos.harness.judge.scenario import parse_scenario
 from kvchaos.harness.judge.verdict import EXIT_CODES
-from kvchaos.harness.tools.soak import (
-    EXIT_NONDETERMINISM,
-    SPACE,
-    Soak,
-    add_arguments,
-    fingerprints,
-    generate_scenario,
-    parse_budget,
-    parse_shard,
-    shard_seed,
-)
+from kvchaos.harness.tools.fingerprint import fingerprints
+from kvchaos.harness.tools.soak import Soak, add_arguments, parse_budget, parse_shard, shard_seed
+from kvchaos.harness.tools.soak_space import SPACE, generate_scenario
+from kvchaos.harness.tools.soak_summary import EXIT_NONDETERMINISM
 
 ROOT = Path(__file__).resolve().parent.parent
 

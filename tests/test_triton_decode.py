@@ -1,9 +1,9 @@
 """paged_decode_triton vs the PyTorch reference.
 
 Without a GPU the kernels run in the Triton interpreter. TRITON_INTERPRET is read when a kernel is
-decorated, so it is useless once kvchaos.engine.triton_decode was imported by this pytest process: the
-interpreter checks therefore run in one subprocess (this file run as a script), which prints JSON
-results that the tests below assert per case.
+decorated, so it is useless once kvchaos.engine.triton_decode was imported by this pytest process:
+the interpreter checks therefore run in one subprocess (this file run as a script), which prints
+JSON results that the tests below assert per case.
 """
 
 from __future__ import annotations

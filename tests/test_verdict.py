@@ -121,7 +121,8 @@ def test_false_alarm_with_nothing_planted_names_the_earliest_finding():
 
 
 def test_false_alarm_with_trigger_only_faults():
-    """The remediation failed under the trigger: a real engine bug, reported as a false alarm of the scenario."""
+    """The remediation failed under the trigger: a real engine bug, reported as a false alarm of
+    the scenario."""
     sc = scenario(faults=[("refcount_leak", False)])
     v = decide(
         sc,

@@ -2,13 +2,14 @@
 workload and config, the ratio, and where a distributed step's time goes (per rank: scheduling,
 each kind of collective, compute).
 
-    python -m kvchaos.harness.bench.distributed [--world-size 2] [--repeats 3] [--out reports/bench-distributed.json]
+    python -m kvchaos.harness.bench.distributed [--world-size 2] [--repeats 3]
+        [--out reports/bench-distributed.json]
 
 The two engines run alternately, `repeats` times each, so both see the same neighbours on a shared
 machine; steps/s is the median. The followers are launched once, before timing. Both runs must
 produce the same tokens (checked). A collective's time includes waiting for the slowest rank to
-reach it: the follower's `bcast` (the step's header and batch) is mostly waiting for rank 0 to schedule the step, and the
-per-layer `gather` absorbs any imbalance between the ranks' compute.
+reach it: the follower's `bcast` (the step's header and batch) is mostly waiting for rank 0 to
+schedule the step, and the per-layer `gather` absorbs any imbalance between the ranks' compute.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from kvchaos.engine.cluster import Cluster
 from kvchaos.engine.config import CacheConfig, EngineConfig
-from kvchaos.engine.distributed import Cluster, DistEngine
+from kvchaos.engine.distributed import DistEngine
 from kvchaos.engine.engine import Engine
 
 WORKLOADS = {  # name: (requests, prompt length range, new tokens)
@@ -187,10 +189,10 @@ def print_report(report: dict, console=None) -> None:
             b.add_row(f"{name} / rank {r}", *cells)
     console.print(b)
     console.print(
-        "[dim]bcast (the step's header and batch) on a follower: mostly waiting for rank 0 to schedule the step; gather: the per-layer "
-        "all_gather of attention outputs, including waiting for the slower rank; table: the block-"
-        "table updates (isend on rank 0, recv on the others); ack: the all_gather of table versions "
-        "and crcs.[/]"
+        "[dim]bcast (the step's header and batch) on a follower: mostly waiting for rank 0 to "
+        "schedule the step; gather: the per-layer all_gather of attention outputs, including "
+        "waiting for the slower rank; table: the block-table updates (isend on rank 0, recv on "
+        "the others); ack: the all_gather of table versions and crcs.[/]"
     )
 
 

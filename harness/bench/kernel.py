@@ -13,7 +13,7 @@ query heads over 8 KV heads (GQA 4), head_dim 128, bf16, block 16):
   - paged (random permuted block ids) takes <= 1.15x the same kernel on an identity table
 
   python -m kvchaos.harness.bench.kernel [--quick] [--json FILE]   # needs CUDA
-  python -m kvchaos.harness.bench.kernel --interpret               # CPU smoke: tiny shapes, Triton interpreter
+  python -m kvchaos.harness.bench.kernel --interpret               # CPU smoke: Triton interpreter
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 EXIT_NO_CUDA = 3
 NO_CUDA = (
-    "bench_kernel needs CUDA: no CUDA device here. `--interpret` runs a tiny-shape smoke of the same "
-    "code path through the Triton interpreter on the CPU (it measures nothing)."
+    "bench_kernel needs CUDA: no CUDA device here. `--interpret` runs a tiny-shape smoke of the "
+    "same code path through the Triton interpreter on the CPU (it measures nothing)."
 )
 SHAPES = {
     "full": dict(
@@ -84,8 +84,9 @@ class CudaTimer:
         for start, end in events:
             self.flush.zero_()
             if hasattr(torch.cuda, "_sleep"):
-                # ~0.5 ms of GPU time (1e6 cycles at ~2 GHz), longer than the host takes to launch fn (tens
-                # of us, two kernels and allocations for a split run): fn is queued before its start event
+                # ~0.5 ms of GPU time (1e6 cycles at ~2 GHz), longer than the host takes to launch
+                # fn (tens of us, two kernels and allocations for a split run): fn is queued before
+                # its start event
                 torch.cuda._sleep(1_000_000)
             start.record()
             fn()
@@ -316,19 +317,22 @@ def print_report(r: dict) -> None:
     s = r["shape"]
     title = (
         f"{r['device']}: {r['mode']}, batch {s['batch']} x {s['ctx']} tokens, "
-        f"{s['num_heads']}/{s['num_kv_heads']} heads, head_dim {s['head_dim']}, block {s['block_size']}, "
+        f"{s['num_heads']}/{s['num_kv_heads']} heads, head_dim {s['head_dim']}, "
+        f"block {s['block_size']}, "
         f"{s['dtype']}, KV {r['kv_bytes'] / 2**20:.1f} MiB, "
         f"median of {r['runs']}, L2 flush {r['l2_flush_bytes'] / 2**20:.0f} MiB"
     )
     tl = [
         f"{t['name']}: {t['measured']} (target {t['target']}) "
-        f"{'' if t['met'] is None else 'MET' if t['met'] else 'NOT MET'}{' - ' + t['note'] if t['note'] else ''}"
+        f"{'' if t['met'] is None else 'MET' if t['met'] else 'NOT MET'}"
+        f"{' - ' + t['note'] if t['note'] else ''}"
         for t in r["targets"]
     ]
     cr = r["correctness"]
     tl.append(
         f"correctness vs SDPA: paged {cr['paged_vs_sdpa_max_abs_err']:.3g}, identity "
-        f"{cr['identity_vs_sdpa_max_abs_err']:.3g} (tol {cr['tol']}) {'ok' if cr['ok'] else 'FAILED'}"
+        f"{cr['identity_vs_sdpa_max_abs_err']:.3g} (tol {cr['tol']}) "
+        f"{'ok' if cr['ok'] else 'FAILED'}"
     )
     tl.append(
         f"num_splits auto {r['num_splits_auto']}; sweep (median ms): {r['splits_sweep_median_ms']}"
@@ -360,7 +364,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interpret",
         action="store_true",
-        help="CPU smoke: tiny shapes through the Triton interpreter, in a subprocess; measures nothing",
+        help="CPU smoke: tiny shapes through the Triton interpreter, in a subprocess; "
+        "measures nothing",
     )
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     p.add_argument(
@@ -375,15 +380,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     if args.interpret and not _interpreting():
         # TRITON_INTERPRET is read when kernels are decorated: only a fresh process can set it.
-        env = {
-            **os.environ,
-            "TRITON_INTERPRET": "1",
-            "PYTHONPATH": os.pathsep.join(
-                filter(
-                    None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
-                )
-            ),
-        }
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
         cmd = [sys.executable, "-m", "kvchaos.harness.bench.kernel", "--interpret"] + sys_args(args)
         try:
             return subprocess.run(cmd, env=env, timeout=300).returncode

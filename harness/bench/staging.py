@@ -27,10 +27,10 @@ from kvchaos.engine.engine import Engine
 from kvchaos.engine.staging import StagingBuffer
 
 NOT_APPLICABLE = (
-    "not applicable: no CUDA device. On the CPU the block table never crosses to a device, so pinned "
-    "and pageable staging are the same host copy"
+    "not applicable: no CUDA device. On the CPU the block table never crosses to a device, "
+    "so pinned and pageable staging are the same host copy"
 )
-# "default": the scenarios' table size; "large": a serving-size table (256 sequences x 2048 blocks, 2 MiB)
+# "default": the scenarios' table size; "large": serving size (256 sequences x 2048 blocks, 2 MiB)
 TABLES = {"default": (16, 32), "large": (256, 2048)}
 STRATEGIES = {
     "pinned": lambda n: StagingBuffer(n, pinned=True),
@@ -96,7 +96,7 @@ def alternate(
 
 
 def upload_times(numel: int, device: str, runs: int = 50) -> dict:
-    """The bare copy staging -> device: host-blocked time of the copy call, and time to completion."""
+    """The bare copy staging -> device: host-blocked time of the copy call, and time to finish."""
     dst = torch.empty(numel, dtype=torch.int32, device=device)
     out = {}
     for name, make in STRATEGIES.items():
@@ -150,9 +150,11 @@ def print_report(r: dict) -> None:
         p, q = t["pinned"], t["pageable"]
         print(
             f"  {label} table ({t['table_bytes'] / 1024:.0f} KiB, batch {t['batch']}): pinned "
-            f"{p['median_us']} us ({p['host_median_us']}), pageable {q['median_us']} us ({q['host_median_us']}): "
+            f"{p['median_us']} us ({p['host_median_us']}), "
+            f"pageable {q['median_us']} us ({q['host_median_us']}): "
             f"{t['pageable_minus_pinned_us']:+} us, x{t['pageable_over_pinned']}; "
-            f"bare upload host-blocked {up['pinned']['host_blocked_us']} vs {up['pageable']['host_blocked_us']} us"
+            f"bare upload host-blocked {up['pinned']['host_blocked_us']} "
+            f"vs {up['pageable']['host_blocked_us']} us"
         )
 
 

@@ -7,7 +7,7 @@ What is measured, and against what:
     (pop/append) and a short re-implementation of nano-vllm's BlockManager allocate/deallocate
     (deque free_block_ids + set used_block_ids + Block objects with ref_count).
   - BlockPool per-op time with 1,000,000 blocks against 1,000 blocks (O(1): ratio ~1), plain and
-    with a fork still referencing the freed block (decref does not free; the pool hands out another).
+    with a fork still holding the freed block (decref does not free; the pool hands out another).
   - Building a 1,000,000-block BlockManager, against building a bare list free pool.
   - Decode bookkeeping: 64 sequences appending one token per step through
     BlockManager.append_decode, against nano-vllm's per-sequence may_append (no prefix hashing).
@@ -24,123 +24,26 @@ Targets are reported, never asserted: `met` says whether this run met each one.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import platform
-import random
-import statistics
 import sys
 import time
-from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from kvchaos.engine.block_manager import BlockManager, BlockPool
-from kvchaos.engine.config import CacheConfig, EngineConfig
-from kvchaos.engine.engine import Engine
-
-perf = time.perf_counter
-
-
-# -- baselines ---------------------------------------------------------------------------------
-class _NanoBlock:
-    """nano-vllm's Block (prefix-cache fields kept, as reset() touches them)."""
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = -1
-        self.token_ids: list[int] = []
-
-    def reset(self) -> None:
-        self.ref_count = 1
-        self.hash = -1
-        self.token_ids = []
-
-
-class _NanoSeq:
-    __slots__ = ("num_tokens", "block_table")
-
-    def __init__(self, num_tokens: int) -> None:
-        self.num_tokens = num_tokens
-        self.block_table: list[int] = []
-
-
-class NanoVllmBlockManager:
-    """nano-vllm's BlockManager allocate/deallocate style, re-implemented for comparison: a deque of
-    free ids (allocate takes the head, free appends to the tail), a set of used ids, Block objects
-    with ref counts. may_append is its decode path without prefix-cache hashing."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.blocks = [_NanoBlock(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.used_block_ids: set[int] = set()
-
-    def _allocate_block(self, block_id: int) -> _NanoBlock:
-        block = self.blocks[block_id]
-        assert block.ref_count == 0
-        block.reset()
-        self.free_block_ids.remove(block_id)
-        self.used_block_ids.add(block_id)
-        return self.blocks[block_id]
-
-    def _deallocate_block(self, block_id: int) -> None:
-        assert self.blocks[block_id].ref_count == 0
-        self.used_block_ids.remove(block_id)
-        self.free_block_ids.append(block_id)
-
-    def allocate_one(self) -> int:
-        block_id = self.free_block_ids[0]
-        self._allocate_block(block_id)
-        return block_id
-
-    def free_one(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self._deallocate_block(block_id)
-
-    def allocate(self, seq: _NanoSeq) -> None:
-        for _ in range(-(-seq.num_tokens // self.block_size)):
-            seq.block_table.append(self.allocate_one())
-
-    def may_append(self, seq: _NanoSeq) -> None:
-        if seq.num_tokens % self.block_size == 1:  # the newest token opened a block
-            block_id = self.free_block_ids[0]
-            self._allocate_block(block_id)
-            seq.block_table.append(block_id)
-
-
-# -- timing helpers ----------------------------------------------------------------------------
-class _NoGC:
-    """Timed regions run with the cyclic GC off (as timeit does)."""
-
-    def __enter__(self):
-        gc.collect()
-        self.was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc):
-        if self.was:
-            gc.enable()
-
-
-def _round_robin(fns: dict, repeats: int) -> dict[str, float]:
-    """Run every timing function once per repeat, in rotating order so all see the same noise;
-    return each one's median."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            times[n].append(fns[n]())
-    return {n: statistics.median(v) for n, v in times.items()}
+from kvchaos.harness.bench.blocks import (
+    bench_build,
+    bench_decode_bookkeeping,
+    bench_pool_rates,
+    bench_pool_scale,
+)
+from kvchaos.harness.bench.decode import bench_engine_b1, bench_paged_vs_contiguous
+from kvchaos.harness.bench.overhead import bench_harness_overhead
+from kvchaos.harness.bench.timing import perf
 
 
 def _metric(
@@ -177,382 +80,12 @@ def _metric(
     )
 
 
-# -- block manager benchmarks ------------------------------------------------------------------
-def bench_pool_rates(n: int, repeats: int, num_blocks: int = 65536) -> dict[str, float]:
-    """Single-block allocate+free pairs per second: BlockPool, bare list, nano-vllm style."""
-    pool = BlockPool(num_blocks)
-    free_list = list(range(num_blocks - 1, -1, -1))
-    nano = NanoVllmBlockManager(num_blocks, 16)
-    loop = range(n)
-
-    def ours() -> float:
-        a, d = pool.allocate, pool.decref
-        t = perf()
-        for _ in loop:
-            d(a())
-        return perf() - t
-
-    def bare() -> float:
-        p, ap = free_list.pop, free_list.append
-        t = perf()
-        for _ in loop:
-            ap(p())
-        return perf() - t
-
-    def nanovllm() -> float:
-        a, d = nano.allocate_one, nano.free_one
-        t = perf()
-        for _ in loop:
-            d(a())
-        return perf() - t
-
-    with _NoGC():
-        med = _round_robin({"blockpool": ours, "list": bare, "nanovllm": nanovllm}, repeats)
-    assert len(pool.free) == num_blocks and len(nano.used_block_ids) == 0
-    return {k: n / v for k, v in med.items()}
-
-
-def bench_pool_scale(
-    n: int, repeats: int, small: int = 1_000, large: int = 1_000_000
-) -> dict[str, float]:
-    """Nanoseconds per pool operation at two pool sizes, each half full (blocks held by other
-    sequences). `plain`: allocate, decref (frees). `shared`: allocate, incref (a fork shares it),
-    decref (still referenced, not freed), allocate another, decref it, decref the first (the fork
-    lets go): the pool hands out blocks while a shared prefix still references some."""
-    pools = {}
-    for size in (small, large):
-        p = BlockPool(size)
-        for _ in range(size // 2):
-            p.allocate()
-        pools[size] = p
-    loop = range(n)
-
-    def plain(p: BlockPool):
-        def run() -> float:
-            a, d = p.allocate, p.decref
-            t = perf()
-            for _ in loop:
-                d(a())
-            return (perf() - t) / (2 * n) * 1e9
-
-        return run
-
-    def shared(p: BlockPool):
-        def run() -> float:
-            a, i, d = p.allocate, p.incref, p.decref
-            t = perf()
-            for _ in loop:
-                b = a()
-                i(b)
-                d(b)
-                c = a()
-                d(c)
-                d(b)
-            return (perf() - t) / (6 * n) * 1e9
-
-        return run
-
-    # The shared variant really re-uses blocks while the prefix holds one: check it once.
-    p = pools[small]
-    b = p.allocate()
-    p.incref(b)
-    p.decref(b)
-    c = p.allocate()
-    assert c != b and p.ref[b] == 1, "a block still referenced by a fork was handed out again"
-    p.decref(c)
-    p.decref(b)
-
-    with _NoGC():
-        med = _round_robin(
-            {
-                "plain_small": plain(pools[small]),
-                "plain_large": plain(pools[large]),
-                "shared_small": shared(pools[small]),
-                "shared_large": shared(pools[large]),
-            },
-            repeats,
-        )
-    for size, p in pools.items():
-        assert len(p.free) == size - size // 2
-    return med
-
-
-def bench_build(num_blocks: int, repeats: int) -> dict[str, float]:
-    """Seconds to build a num_blocks BlockManager (default table shape), and a bare list free pool,
-    median of `repeats` builds after one warm-up build of each."""
-    cc = CacheConfig()
-
-    def ours() -> float:
-        t = perf()
-        bm = BlockManager(num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
-        dt = perf() - t
-        del bm  # freeing a million ints is not part of the build
-        return dt
-
-    def bare() -> float:
-        t = perf()
-        free = list(range(num_blocks - 1, -1, -1))
-        dt = perf() - t
-        del free
-        return dt
-
-    with _NoGC():
-        ours(), bare()  # warm-up
-        return _round_robin({"blockmanager": ours, "list": bare}, repeats)
-
-
-def bench_decode_bookkeeping(
-    steps: int, repeats: int, num_seqs: int = 64, block_size: int = 16, prompt: int = 100
-) -> dict[str, float]:
-    """Microseconds per sequence per decode step of pure block bookkeeping: every sequence appends
-    one token per step. Prompt lengths are staggered so block boundaries do not all coincide."""
-    width = -(-(prompt + num_seqs + steps) // block_size) + 1
-    num_blocks = num_seqs * width
-    ids = [f"seq-{i}" for i in range(num_seqs)]
-
-    def ours() -> float:
-        bm = BlockManager(num_blocks, block_size, num_seqs, width)
-        for i, s in enumerate(ids):
-            bm.append(s, prompt + i)
-        step = bm.append_decode
-        t = perf()
-        for _ in range(steps):
-            step(ids)
-        dt = perf() - t
-        assert bm.num_tokens[ids[-1]] == prompt + num_seqs - 1 + steps
-        return dt / (steps * num_seqs) * 1e6
-
-    def nanovllm() -> float:
-        bm = NanoVllmBlockManager(num_blocks, block_size)
-        seqs = [_NanoSeq(prompt + i) for i in range(num_seqs)]
-        for s in seqs:
-            bm.allocate(s)
-        may_append = bm.may_append
-        t = perf()
-        for _ in range(steps):
-            for s in seqs:
-                s.num_tokens += 1  # the token the last step produced
-                may_append(s)
-        dt = perf() - t
-        assert len(seqs[-1].block_table) == -(-seqs[-1].num_tokens // block_size)
-        return dt / (steps * num_seqs) * 1e6
-
-    with _NoGC():
-        return _round_robin({"blockmanager": ours, "nanovllm": nanovllm}, repeats)
-
-
-# -- engine benchmarks -------------------------------------------------------------------------
 def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available")
     return device
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def _prefill_until_decode(engine: Engine, batch: int) -> None:
-    for _ in range(10_000):
-        st = engine.step().stats
-        if st.prefill_tokens == 0 and st.decode_tokens == batch:
-            return
-    raise RuntimeError("the engine never reached steady-state decode")
-
-
-def bench_engine_b1(device: str, steps: int, warmup: int, prompt: int = 16) -> dict[str, float]:
-    """Decode steps of the default engine at batch 1: per-step wall time (median) and host share.
-    A default table row holds 512 tokens, so requests follow one another; only pure decode steps
-    are timed (each request's prefill and its first decode step are not)."""
-    cfg = EngineConfig(device=device)
-    engine = Engine(cfg)
-    rng = random.Random(0)
-    max_new = cfg.cache.max_tokens_per_seq - prompt
-    wall, lat, host, prep = [], [], [], []
-    k = 0
-    while len(wall) < steps:
-        engine.add_request(f"b1-{k}", _prompt(rng, prompt, cfg.model.vocab_size), max_new)
-        k += 1
-        _prefill_until_decode(engine, 1)
-        with _NoGC():
-            while engine.has_unfinished() and len(wall) < steps:
-                t = perf()
-                st = engine.step().stats
-                dt = perf() - t
-                assert st.decode_tokens == 1 and st.prefill_tokens == 0
-                if warmup > 0:
-                    warmup -= 1
-                    continue
-                wall.append(dt)
-                lat.append(st.latency_s)
-                host.append(st.host_s)
-                prep.append(st.prep_s)
-    engine.close()
-    return {"step_s": statistics.median(wall), "requests": k, **_host_shares(lat, host, prep)}
-
-
-def _host_shares(lat: list[float], host: list[float], prep: list[float]) -> dict[str, float]:
-    mean_lat = statistics.fmean(lat)
-    return {
-        "host_share": statistics.fmean(host) / mean_lat,
-        "bookkeeping_share": (statistics.fmean(host) - statistics.fmean(prep)) / mean_lat,
-    }
-
-
-class ContiguousDecoder:
-    """The baseline: the same Model, per-layer contiguous K/V [B, T, Hkv, D] preallocated; a decode
-    step writes the new K/V at position t and runs plain batched SDPA over [:t+1]."""
-
-    def __init__(self, model, batch: int, max_len: int) -> None:
-        cfg = model.cfg
-        self.model, self.batch = model, batch
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=cfg.torch_dtype, device=model.device)
-            for _ in range(cfg.num_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=cfg.torch_dtype, device=model.device)
-            for _ in range(cfg.num_layers)
-        ]
-        self.groups = cfg.num_heads // cfg.num_kv_heads
-        self.t = 0
-        try:
-            q = torch.zeros(1, 2, 1, 4)
-            F.scaled_dot_product_attention(q, q[:, :1], q[:, :1], enable_gqa=True)
-            self.gqa = True
-        except (TypeError, RuntimeError):
-            self.gqa = False
-
-    def _sdpa(self, q, k, v, causal: bool):
-        if not self.gqa:
-            k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.model.scale)
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=self.model.scale, enable_gqa=True
-        )
-
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        b, n = self.batch, len(prompts[0])
-        dev = self.model.device
-        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
-        positions = torch.arange(n, device=dev).repeat(b)
-
-        def attend(layer, q, k, v):
-            q, k, v = (x.view(b, n, x.shape[1], x.shape[2]) for x in (q, k, v))
-            self.k[layer][:, :n] = k
-            self.v[layer][:, :n] = v
-            o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-            return o.transpose(1, 2).reshape(b * n, q.shape[2], q.shape[3])
-
-        hidden = self.model.forward(tokens, positions, attend)
-        self.t = n
-        return self.model.logits(hidden.view(b, n, -1)[:, -1])
-
-    @torch.inference_mode()
-    def step(self, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
-        """One decode step for the whole batch at position t: next tokens (greedy) and logits."""
-        t, dev = self.t, self.model.device
-        tok = torch.tensor(tokens, device=dev)
-        positions = torch.full((self.batch,), t, dtype=torch.long, device=dev)
-
-        def attend(layer, q, k, v):
-            kc, vc = self.k[layer], self.v[layer]
-            kc[:, t] = k
-            vc[:, t] = v
-            # The paged path's GQA formulation (a KV head's query group as its queries), so the
-            # ratio measures paging alone: [B, Hkv, G, D] against [B, Hkv, t+1, D] read in place.
-            b, h, d = q.shape
-            hkv = kc.shape[2]
-            o = F.scaled_dot_product_attention(
-                q.view(b, hkv, h // hkv, d),
-                kc[:, : t + 1].transpose(1, 2),
-                vc[:, : t + 1].transpose(1, 2),
-                scale=self.model.scale,
-            )
-            return o.reshape(b, h, d)
-
-        logits = self.model.logits(self.model.forward(tok, positions, attend))
-        self.t = t + 1
-        return logits.argmax(-1).tolist(), logits
-
-
-def bench_paged_vs_contiguous(
-    device: str, steps: int, warmup: int, batch: int = 8, context: int = 512
-) -> dict[str, float]:
-    """Steady-state decode at batch x context: the engine's step and the contiguous baseline's step,
-    alternated (who goes first flips every step) on the same inputs; the logits are compared too."""
-    total = context + warmup + steps + 2
-    cc = CacheConfig(
-        num_blocks=max(512, batch * -(-total // 16)),
-        max_blocks_per_seq=max(64, -(-total // 16)),
-        max_num_seqs=max(16, batch),
-    )
-    # The whole batch prefills in one step, so every sequence decodes at the same context length.
-    cfg = EngineConfig(device=device, cache=cc, max_prefill_tokens=batch * context)
-    engine = Engine(cfg)
-    rng = random.Random(1)
-    prompts = [_prompt(rng, context, cfg.model.vocab_size) for _ in range(batch)]
-    ids = [f"b{i}" for i in range(batch)]
-    for i, p in zip(ids, prompts):
-        engine.add_request(i, p, total - context)
-    _prefill_until_decode(engine, batch)  # one prefill step, then the first decode step
-    contig = ContiguousDecoder(engine.model, batch, total)
-    first = contig.prefill(prompts).argmax(-1).tolist()
-    first_agree = first == [engine.seqs[i].tokens[context] for i in ids]
-    contig.step(
-        [engine.seqs[i].tokens[context] for i in ids]
-    )  # catch up with the engine's first decode
-
-    eng_t, con_t, lat, host, prep = [], [], [], [], []
-    max_err = 0.0
-
-    def engine_step():
-        t = perf()
-        out = engine.step()
-        return perf() - t, out
-
-    def contig_step(inputs):
-        _sync(device)
-        t = perf()
-        toks, logits = contig.step(inputs)
-        return perf() - t, toks, logits
-
-    with _NoGC():
-        for k in range(warmup + steps):
-            inputs = [engine.seqs[i].tokens[-1] for i in ids]
-            if k % 2 == 0:
-                te, out = engine_step()
-                tc, _, logits = contig_step(inputs)
-            else:
-                tc, _, logits = contig_step(inputs)
-                te, out = engine_step()
-            st = out.stats
-            assert st.decode_tokens == batch and st.prefill_tokens == 0
-            got = torch.stack([out.logits[i] for i in ids])
-            max_err = max(max_err, float((got - logits.float().cpu()).abs().max()))
-            if k >= warmup:
-                eng_t.append(te)
-                con_t.append(tc)
-                lat.append(st.latency_s)
-                host.append(st.host_s)
-                prep.append(st.prep_s)
-    engine.close()
-    return {
-        "engine_step_s": statistics.median(eng_t),
-        "contiguous_step_s": statistics.median(con_t),
-        "max_abs_logit_err": max_err,
-        "first_token_agrees": first_agree,
-        **_host_shares(lat, host, prep),
-    }
 
 
 # -- the whole bench ---------------------------------------------------------------------------
@@ -586,48 +119,6 @@ QUICK = dict(
     overhead_repeats=1,
     overhead_scenarios=["table-overflow-detect"],
 )
-
-
-def bench_harness_overhead(
-    repeats: int, names: list[str] | None = None, device: str = "cpu"
-) -> dict[str, float]:
-    """The built-in suite (seed 0) driven three ways: the engine alone (workload and faults, no
-    harness); with the harness's checking (history, snapshots, oracle, checkers and verdict, the
-    history kept in memory); and as `kvchaos run` does it, with each run's folder written (history,
-    results, incidents, report.html) and the report index rebuilt once at the end."""
-    import tempfile
-
-    from kvchaos.harness.judge.history import History
-    from kvchaos.harness.judge.runner import _Run, run_scenario
-    from kvchaos.harness.judge.scenario import builtin_scenarios
-    from kvchaos.harness.report.index import update_index
-    from kvchaos.harness.report.render import publish
-
-    scs = [s for s in builtin_scenarios() if names is None or s.name in names]
-    with tempfile.TemporaryDirectory() as tmp:
-
-        def harness() -> float:
-            t = perf()
-            for sc in scs:
-                publish(run_scenario(sc, 0, device=device, report_dir=tmp), index=False)
-            update_index(tmp)
-            return perf() - t
-
-        def checking() -> float:
-            t = perf()
-            for sc in scs:
-                run_scenario(sc, 0, device=device, report_dir=None)
-            return perf() - t
-
-        def alone() -> float:
-            t = perf()
-            for sc in scs:
-                run = _Run(sc, 0, device, History(None, keep=False), observe=False)
-                run.arm()
-                run.run()
-            return perf() - t
-
-        return _round_robin({"harness": harness, "checking": checking, "alone": alone}, repeats)
 
 
 def run_bench(
@@ -828,8 +319,8 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
         "checks": {
             "paged_vs_contiguous_max_abs_logit_err": pc["max_abs_logit_err"],
             "paged_vs_contiguous_first_token_agrees": pc["first_token_agrees"],
-            "contiguous_attention": "torch SDPA over [:t+1] of per-layer [B, T, Hkv, D] caches, read in place, "
-            "with the paged path's GQA formulation (query group as queries)",
+            "contiguous_attention": "torch SDPA over [:t+1] of per-layer [B, T, Hkv, D] caches, "
+            "read in place, with the paged path's GQA formulation (query group as queries)",
         },
     }
     _print_table(report, console)

@@ -13,9 +13,9 @@ from kvchaos.harness.judge.telemetry import Telemetry
 
 
 def measure_overhead(seeds_per_scenario: int | None = None, rounds: int = 1) -> dict:
-    """Wall time of the built-in suite with telemetry on (as KVCHAOS_TELEMETRY_* say) and off, run by
-    run alternately so both see the same machine noise; the time spent sampling, counted exactly; and
-    one sample's cost in isolation."""
+    """Wall time of the built-in suite with telemetry on (as KVCHAOS_TELEMETRY_* say) and off,
+    run by run alternately so both see the same machine noise; the time spent sampling, counted
+    exactly; and one sample's cost in isolation."""
     jobs = [
         (sc, seed) for sc in builtin_scenarios() for seed in sc.scenario.seeds[:seeds_per_scenario]
     ]

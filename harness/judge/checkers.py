@@ -54,7 +54,8 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
                     "oracle_divergence",
                     o["divergence_step"],
                     f"request {o['req']}: logits diverge from the contiguous oracle at generated "
-                    f"token {o['first_divergence']} (max abs error {o['abs_err_at_divergence']:.3g} "
+                    f"token {o['first_divergence']} "
+                    f"(max abs error {o['abs_err_at_divergence']:.3g} "
                     f"> tolerance {o['tolerance']:.3g})",
                     {
                         k: o[k]
@@ -75,7 +76,7 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
 
 
 def check_block_accounting(events: list[dict]) -> CheckResult:
-    """Conservation (free + referenced == total), ref counts == references, no referenced free block,
+    """Conservation (free + referenced == total), refcounts == references, no referenced free block,
     no blocks held by a request that has ended (a leak, blamed on the cancel that ended it)."""
     found, ended, cancels = [], {}, {}
     snaps = 0
@@ -241,7 +242,7 @@ def check_latency(
     floor_s: float = 5e-4,
     signal: str = "host_s",
 ) -> CheckResult:
-    """Per-step latency against the run's own early baseline (median of the first decode-only steps);
+    """Per-step latency vs the run's own early baseline (median of the first decode-only steps);
     a finding when even the fastest of the last `window` steps stays above slo_ratio x baseline (and
     above it by floor_s) for `sustain` steps. A neighbour on a shared machine only ever adds time,
     in bursts that can slow most of a window (a rolling median fires on those); a real regression
@@ -284,7 +285,8 @@ def check_latency(
                     Finding(
                         "latency",
                         steps[i]["step"],
-                        f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to {low[i] * 1e3:.2f} ms even in the "
+                        f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to "
+                        f"{low[i] * 1e3:.2f} ms even in the "
                         f"fastest of the last {window} steps (x{low[i] / base:.1f}), plateau "
                         f"{plateau * 1e3:.2f} ms, sustained from step {steps[start]['step']}",
                         {

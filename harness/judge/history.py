@@ -9,11 +9,12 @@ Kinds and their fields:
   cancel     req, phase (waiting | prefill | decode | preempted), shared (held a block also held by
              another sequence), blocks (the blocks it held)
   step       latency_s, host_s, free_blocks, running, waiting, prefill_tokens, decode_tokens,
-             preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs, table_crc,
-             cpu_s, and telemetry (RSS, CPU, GPU fields) on sampled steps
-  snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is running); taken
-             as each step's table is uploaded (the table the kernels read), after a step that ran
-             nothing, and once more at the end of the run (stamped one past the last step)
+             preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs,
+             table_crc, cpu_s, and telemetry (RSS, CPU, GPU fields) on sampled steps
+  snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is
+             running); taken as each step's table is uploaded (the table the kernels read), after
+             a step that ran nothing, and once more at the end of the run (stamped one past the
+             last step)
   engine     kind (cow | staging_realloc | ...), data
   fault      fault, kind ("armed" | "trigger" | "fired"), detail
   oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
@@ -44,7 +45,7 @@ class History:
 
     def append(self, event: dict) -> None:
         line = _encode(event)
-        # most events hold nothing unstable: their line is already the stable line (one encode, not two)
+        # most events hold nothing unstable: their line is the stable line (one encode, not two)
         self._hash.update(_stable_line(event) if _has_unstable(event) else line.encode())
         if self._f:
             self._f.write(line + "\n")

@@ -12,7 +12,7 @@ import torch
 
 from kvchaos.engine.model import Model
 
-# A padded pass may cost at most this many times its requests' own tokens; longer ones go in another.
+# A padded pass costs at most this many times its requests' own tokens; longer ones go in another.
 PAD_SLACK = 1.5
 # (atol, rtol) by dtype: float32 tight; half precisions as vLLM and FlashInfer test them.
 TOLERANCES = {
@@ -58,7 +58,8 @@ class Oracle:
         """check() for several requests, in padded passes over requests of similar length (the tiny
         reference model's cost is mostly per op, so one pass for many requests is far cheaper)."""
         out = [OracleResult(req, 0, 0.0, 0.0, None) for req, *_ in items]
-        # The engine's logits row j came from the prefix tokens[:prompt_len + j]: feed every token but the last.
+        # The engine's logits row j came from the prefix tokens[:prompt_len + j]: feed every
+        # token but the last.
         todo = sorted(
             (it[2] + it[3].shape[0] - 1, i) for i, it in enumerate(items) if it[3].shape[0]
         )

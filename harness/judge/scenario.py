@@ -281,7 +281,8 @@ def builtin_scenarios() -> list[Scenario]:
 
 
 def read_lengths(path: str) -> list[tuple[int, int]]:
-    """CSV (prompt_len,output_len per row, header optional) or JSONL ({"prompt_len":, "output_len":})."""
+    """CSV (prompt_len,output_len per row, header optional) or JSONL
+    ({"prompt_len":, "output_len":})."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

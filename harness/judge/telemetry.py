@@ -10,7 +10,8 @@ report can print as they are.
     KVCHAOS_TELEMETRY_EVERY=10           at least this many steps between samples
     KVCHAOS_TELEMETRY_INTERVAL_S=0.5     and at least this many seconds
 
-`python -m kvchaos.harness.bench.telemetry` measures the overhead: the built-in suite with and without telemetry.
+`python -m kvchaos.harness.bench.telemetry` measures the overhead: the built-in suite with and
+without telemetry.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _text(v) -> str:
 
 class _Process:
     """RSS (psutil, or /proc where psutil is missing) and CPU share of this process since the last
-    read. The CPU share comes from os.times, as psutil's cpu_percent computes it, without its read of
-    /proc/self/stat (3 us instead of ~130 us on a sandboxed kernel)."""
+    read. The CPU share comes from os.times, as psutil's cpu_percent computes it, without its read
+    of /proc/self/stat (3 us instead of ~130 us on a sandboxed kernel)."""
 
     def __init__(self) -> None:
         try:
@@ -122,7 +123,8 @@ class Telemetry:
         )
         self._cuda_index = index if torch.cuda.is_available() else None
         try:
-            try:  # match by UUID: CUDA and NVML number devices differently under CUDA_VISIBLE_DEVICES
+            # match by UUID: CUDA and NVML number devices differently under CUDA_VISIBLE_DEVICES
+            try:
                 uuid = str(torch.cuda.get_device_properties(index).uuid)
                 h = nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
             except Exception:
@@ -192,7 +194,8 @@ class Telemetry:
         )
 
     def step_fields(self, step: int) -> dict:
-        """{"telemetry": sample} when a sample is due at this step, else {}: merged into the step event."""
+        """{"telemetry": sample} when a sample is due at this step, else {}: merged into the step
+        event."""
         if not self.due(step):
             return {}
         self._last_step, self._last_t = step, self.clock()

@@ -59,7 +59,8 @@ def _body(d: dict, where: str) -> list[str]:
 
 
 def dumps(data: dict) -> str:
-    """Serialise a dict of TOML-able values; tomllib.loads(dumps(d)) == d (tuples come back as lists)."""
+    """Serialise a dict of TOML-able values; tomllib.loads(dumps(d)) == d (tuples come back as
+    lists)."""
     top = {k: v for k, v in data.items() if not isinstance(v, dict) and not _is_table_list(v)}
     out = _body(top, "")
     for k, v in data.items():

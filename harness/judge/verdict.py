@@ -17,7 +17,9 @@ SEVERITY = [MISSED, FALSE_ALARM, ERROR, INCONCLUSIVE, PASS]
 MEANING = {
     PASS: "as expected: clean and clean, or planted, fired and caught",
     MISSED: "a planted defect fired and no expected checker caught it in time: the harness failed",
-    FALSE_ALARM: "a checker fired where nothing was planted: a harness false positive or a real engine bug",
+    FALSE_ALARM: (
+        "a checker fired where nothing was planted: a harness false positive or a real engine bug"
+    ),
     INCONCLUSIVE: "the planted defect never fired: the trigger did not provoke it",
     ERROR: "the run itself broke (engine exception, timeout, or a checker that could not decide)",
 }

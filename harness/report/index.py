@@ -31,9 +31,9 @@ def _entry(d: Path) -> dict:
 
 
 def update_index(report_dir: Path | str, newest: Path | None = None) -> Path:
-    """report_dir/index.html over every run folder, newest first, and report_dir/latest -> the newest.
-    Entries are cached in index.json by results.json's mtime, so a folder of thousands of runs costs
-    a stat per run, not a parse."""
+    """report_dir/index.html over every run folder, newest first, and report_dir/latest -> the
+    newest. Entries are cached in index.json by results.json's mtime, so a folder of thousands of
+    runs costs a stat per run, not a parse."""
     report_dir = Path(report_dir)
     cache_path = report_dir / INDEX_CACHE
     try:

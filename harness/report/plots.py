@@ -10,7 +10,7 @@ from kvchaos.harness.report.view import RunView
 
 def _windows(v: RunView, verify: dict) -> list[tuple[str, int, int]]:
     """Steps where each fault was triggered or fired, merged into spans; a fault whose verify()
-    counts more firings than it logged events kept firing silently: its last span runs to the end."""
+    counts more firings than it logged kept firing silently: its last span runs to the end."""
     out = []
     for name in v.armed:
         steps = sorted(
@@ -38,7 +38,7 @@ def _windows(v: RunView, verify: dict) -> list[tuple[str, int, int]]:
 
 
 def plot_run(v: RunView, verify: dict) -> str:
-    """One figure, three panels (latency, free blocks, divergence per request), as a PNG data URI."""
+    """One figure, three panels (latency, free blocks, divergence per request): a PNG data URI."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -55,7 +55,7 @@ def write_atomic(path: Path, text: str) -> None:
 def write_reports(
     run_dir: Path | str, results: dict, events: list[dict] | None = None, plots: bool | None = None
 ) -> list[Path]:
-    """Incidents (incident-NNN.md and results["incidents"]), results.json and report.html for one run.
+    """Incidents (incident-NNN.md and results["incidents"]), results.json and report.html for a run.
     plots=None: as KVCHAOS_PLOTS says (default: a figure only for runs that did not PASS)."""
     run_dir = Path(run_dir)
     mode = os.environ.get(PLOTS_ENV) or "failures"

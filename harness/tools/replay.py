@@ -26,7 +26,7 @@ EXIT_DIFFERENT = 1
 
 
 def load_run(run_dir: str | Path):
-    """(Scenario, scenario dict, results) of a stored run; one clear error for a folder that is not one."""
+    """(Scenario, scenario dict, results) of a stored run; one clear error if it is not one."""
     from kvchaos.harness.judge.scenario import ScenarioError, load_scenario, parse_scenario, tomllib
 
     d = Path(run_dir)
@@ -75,7 +75,8 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
                 "index": i,
                 "step": there.get("step"),
                 "event": there.get("e"),
-                "detail": f"only the {'replayed' if a is missing else 'recorded'} history has event {i}",
+                "detail": f"only the {'replayed' if a is missing else 'recorded'} history "
+                f"has event {i}",
             }
         if _stable_line(a) != _stable_line(b):
             sa, sb = _stable(a), _stable(b)
@@ -94,7 +95,7 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
 
 
 def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | None = None) -> dict:
-    """Re-run RUN_DIR; {"identical", "recorded_digest", "replay_digest", "first_difference", ...}."""
+    """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}"""
     from kvchaos.harness.judge.runner import run_scenario
 
     sc, _, results = load_run(run_dir)
@@ -136,16 +137,21 @@ def describe(out: dict) -> str:
             if out["history_compared"]
             else "digest only: no stored history.jsonl"
         )
-        return f"identical: {head}: history {out['replay_digest'][:16]} ({how}); verdict {out['replay_verdict']}"
+        return (
+            f"identical: {head}: history {out['replay_digest'][:16]} ({how}); "
+            f"verdict {out['replay_verdict']}"
+        )
     lines = [f"DIFFERENT: {head}"]
     if out["recorded_digest"] is None:
         lines.append(
-            f"  the recorded run has no history digest (it was killed: verdict {out['recorded_verdict']}); "
+            "  the recorded run has no history digest "
+            f"(it was killed: verdict {out['recorded_verdict']}); "
             f"the replay finished with {out['replay_verdict']}"
         )
     else:
         lines.append(
-            f"  history digest: recorded {out['recorded_digest'][:16]}, replayed {out['replay_digest'][:16]}"
+            f"  history digest: recorded {out['recorded_digest'][:16]}, "
+            f"replayed {out['replay_digest'][:16]}"
         )
     lines.append(f"  verdict: recorded {out['recorded_verdict']}, replayed {out['replay_verdict']}")
     d = out["first_difference"]
@@ -155,11 +161,13 @@ def describe(out: dict) -> str:
             lines.append(f"    {d['detail']}")
         for k in d.get("keys", []):
             lines.append(
-                f"    {k}: recorded {_short(d['recorded'][k])} -> replayed {_short(d['replayed'][k])}"
+                f"    {k}: recorded {_short(d['recorded'][k])} "
+                f"-> replayed {_short(d['replayed'][k])}"
             )
     elif out["recorded_digest"] is not None and out["history_compared"]:
         lines.append(
-            "  every stored event matches the replay: the recorded digest does not match its own history"
+            "  every stored event matches the replay: "
+            "the recorded digest does not match its own history"
         )
     elif not out["history_compared"]:
         lines.append("  no stored history.jsonl: the first differing event cannot be named")

@@ -8,7 +8,7 @@ fewer forks and cancels, smaller fault parameters (neighbours, long requests, bo
 phases, ...), a narrower block table and smaller pool (an overflow comes sooner), faster
 arrivals, fewer steps. Each candidate is one run (same seed and device, kept
 in memory only); it is kept when the verdict is the same, the original's primary fingerprint
-(see harness/soak.py fingerprints) still shows, no new fingerprint appears, the run is no
+(see harness/tools/fingerprint.py) still shows, no new fingerprint appears, the run is no
 bigger (requests, steps) and the scenario is smaller. Writes RUN_DIR/minimal/scenario.toml and
 RUN_DIR/minimal/test_*.py and sets results.json's minimal_reproducer (the run's incident reports
 point to them).
@@ -205,7 +205,7 @@ class _Ctx:
 
 def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float) -> dict:
     from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.tools.soak import fingerprints
+    from kvchaos.harness.tools.fingerprint import fingerprints
 
     r = run_scenario(sc, seed, device, None, timeout_s=timeout_s)
     fps = fingerprints(r.results, data.get("faults", []))
@@ -274,7 +274,8 @@ def shrink(
                         best, best_out, accepted = cand, out, True
                         progress = True
                         log(
-                            f"  {reducer.__name__}: {out['requests']} requests, {out['steps']} steps"
+                            f"  {reducer.__name__}: {out['requests']} requests, "
+                            f"{out['steps']} steps"
                         )
                         break
     return best, best_out, runs
@@ -298,13 +299,15 @@ def regression_test(
     finding = ""
     if expect_detect and primary is not None and primary[0] == "DETECTED":
         finding = (
-            f"\n    assert {(primary[2], primary[3])!r} in {{(f.checker, f.kind) for f in r.findings}}, "
+            f"\n    assert {(primary[2], primary[3])!r} in "
+            "{(f.checker, f.kind) for f in r.findings}, "
             f'"the detection no longer names the same finding"'
         )
     shown = " / ".join(primary) if primary else target["verdict"]
     doc = (
         f'"""Regression test from `kvchaos shrink {run_dir}`: {name} seed {seed}, reduced from '
-        f"{before['requests']} requests / {before['steps']} steps to {after['requests']} / {after['steps']}.\n"
+        f"{before['requests']} requests / {before['steps']} steps to "
+        f"{after['requests']} / {after['steps']}.\n"
         f"The original run showed {target['verdict']} ({shown}). The test asserts PASS: "
         + ("the planted defect is still caught" if expect_detect else "the run is clean")
         + (
@@ -341,7 +344,8 @@ def write_outputs(
         name=name,
         seeds=[seed],
         description=f"Shrunk by kvchaos shrink from {run_dir} (seed {seed}): "
-        f"{target['verdict']}, {primary}. {before['requests']} requests / {before['steps']} steps -> "
+        f"{target['verdict']}, {primary}. "
+        f"{before['requests']} requests / {before['steps']} steps -> "
         f"{after['requests']} / {after['steps']}.",
     )
     meta["tags"] = [t for t in meta.get("tags", []) if t != "soak"]
@@ -418,8 +422,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    from kvchaos.harness.tools.fingerprint import fingerprints
     from kvchaos.harness.tools.replay import load_run
-    from kvchaos.harness.tools.soak import fingerprints
 
     if args.max_runs < 1:
         raise ValueError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -436,8 +440,8 @@ def main(args) -> int:
     first = _outcome(sc, data, seed, device, args.timeout)
     if not _matches(target, first):
         print(
-            f"the run does not reproduce: recorded {target['verdict']} ({_fp(target)}), the re-run gave "
-            f"{first['verdict']} ({_fp(first)}): {first['summary']}"
+            f"the run does not reproduce: recorded {target['verdict']} ({_fp(target)}), "
+            f"the re-run gave {first['verdict']} ({_fp(first)}): {first['summary']}"
         )
         return EXIT_NOT_REPRODUCED
     timeout = args.timeout or max(30.0, 10 * (time.perf_counter() - t0))
@@ -460,7 +464,8 @@ def main(args) -> int:
         f"{time.perf_counter() - t0:.1f} s)"
     )
     print(
-        f"scenario: {minimal['scenario_path']}\ntest:     {minimal['test_path']}\nrun it:   {minimal['command']}"
+        f"scenario: {minimal['scenario_path']}\ntest:     {minimal['test_path']}\n"
+        f"run it:   {minimal['command']}"
     )
     return 0
 

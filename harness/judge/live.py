@@ -1,0 +1,306 @@
+"""One run's live state: the engine on the scenario's config and block manager, the faults armed
+on its seams, the workload plan's pending actions, logits waiting for the oracle. The loop drives
+it step by step and appends every event to the History."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from kvchaos.engine.distributed import DistEngine
+from kvchaos.engine.engine import Engine
+from kvchaos.engine.errors import InvalidRequest, RequestRejected
+from kvchaos.engine.sequence import State
+from kvchaos.faults import make_fault
+from kvchaos.harness.judge.history import History
+from kvchaos.harness.judge.oracle import Oracle
+from kvchaos.harness.judge.scenario import Scenario
+from kvchaos.harness.judge.telemetry import Telemetry
+from kvchaos.harness.judge.workload import build_plan
+
+# Requests that produce no more tokens wait for the oracle in a queue, checked in padded passes
+# of up to this many (the reference model's cost is mostly per op); the rest at the run's end.
+ORACLE_BATCH = 16
+
+
+class LiveRun:
+    """One run's live state: engine, faults, pending actions, logits awaiting the oracle."""
+
+    def __init__(
+        self,
+        sc: Scenario,
+        seed: int,
+        device: str,
+        history: History,
+        block_manager=None,
+        tp: dict | None = None,
+        cluster=None,
+        observe: bool = True,
+    ) -> None:
+        self.sc, self.seed, self.h = sc, seed, history
+        # observe=False: the engine and workload alone, nothing recorded (the overhead baseline)
+        self.observe = observe
+        self.cfg = replace(sc.engine_config(device=device, seed=seed), **(tp or {}))
+        cc = self.cfg.cache
+        bm = (
+            block_manager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
+            if block_manager is not None
+            else None
+        )
+        self.engine = (
+            Engine(self.cfg, bm)
+            if self.cfg.tp_mode == "simulated"
+            else DistEngine(self.cfg, bm, cluster)
+        )
+        self.oracle = Oracle(self.engine.model)
+        self.faults = [make_fault(f.name, f.defect, f.params, seed) for f in sc.faults]
+        self.plan = build_plan(sc.workload, self.cfg.model.vocab_size, seed)
+        for f in self.faults:
+            f.shape(self.plan, self.cfg)
+        self.actions = self.plan.by_step()
+        self.pending: list = []  # actions waiting for their request to reach a phase
+        self.snapped = -1  # the step of the last snapshot
+        self.rejected: set[str] = set()
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.token_steps: dict[str, list[int]] = {}
+        self.oracle_results: list[dict] = []
+        # requests done producing: (step, token steps, Oracle.check_many item)
+        self.oracle_queue: list = []
+        self.telemetry = Telemetry.from_env(device)
+
+    def snapshot(self, step: int) -> None:
+        e = self.engine
+        self.snapped = step
+        self.h.append(
+            {
+                "e": "snapshot",
+                "step": step,
+                **e.bm.snapshot().to_dict(),
+                "live": [s.id for s in e.running],
+            }
+        )
+
+    def arm(self) -> None:
+        """Attach the faults to the engine's seams (after run_start: the history opens with it).
+        Snapshots are taken as each step's table is uploaded, so checkers see the very table the
+        kernels read (a row spilled into and cleaned up within one step is still caught)."""
+        e = self.engine
+        every = self.sc.run.snapshot_every
+        if self.observe:
+            e.seams.on_upload = lambda: (
+                self.snapshot(e.step_count) if e.step_count % every == 0 else None
+            )
+        e.seams.on_event = lambda kind, data: self.h.append(
+            {"e": "engine", "step": e.step_count, "kind": kind, "data": data}
+        )
+        for f in self.faults:
+            f.arm(
+                e,
+                lambda kind, detail, step=None, f=f: self.h.append(
+                    {
+                        "e": "fault",
+                        "step": e.step_count if step is None else step,
+                        "fault": f.name,
+                        "kind": kind,
+                        "detail": detail,
+                    }
+                ),
+            )
+            self.h.append(
+                {"e": "fault", "step": 0, "fault": f.name, "kind": "armed", "detail": f.describe()}
+            )
+
+    # -- actions ----------------------------------------------------------------------
+    def _phase(self, req: str) -> str | None:
+        seq = self.engine.seqs.get(req)
+        if seq is None:
+            return None
+        if seq.state is State.RUNNING:
+            snap = self.engine.bm.snapshot()
+            blocks = snap.seq_blocks.get(req, [])
+            if any(snap.ref_counts[b] > 1 for b in blocks):
+                return "shared"
+        return seq.phase
+
+    def _do(self, a, step: int) -> bool:
+        """Apply an action; False if it must wait (phase not reached yet)."""
+        e = self.engine
+        if a.op != "submit":
+            target = a.req if a.op == "cancel" else a.parent
+            seq = e.seqs.get(target)
+            if seq is None:
+                return target in self.rejected  # not submitted yet: wait; rejected: drop
+            if seq.done:
+                return True  # it ended first: nothing to do
+            if a.when is not None:
+                phase = self._phase(target)
+                if phase != a.when and not (a.when == "decode" and phase == "shared"):
+                    return False
+        try:
+            if a.op == "submit":
+                e.add_request(a.req, a.prompt, a.max_new)
+                self.h.append(
+                    {
+                        "e": "submit",
+                        "step": step,
+                        "req": a.req,
+                        "prompt_len": len(a.prompt),
+                        "max_new": a.max_new,
+                        "parent": None,
+                        "origin": a.origin,
+                    }
+                )
+            elif a.op == "fork":
+                e.fork(a.parent, a.req, a.max_new, a.prompt)
+                self.h.append(
+                    {
+                        "e": "submit",
+                        "step": step,
+                        "req": a.req,
+                        "prompt_len": len(e.seqs[a.req].tokens),
+                        "max_new": a.max_new,
+                        "parent": a.parent,
+                        "origin": a.origin,
+                    }
+                )
+            elif a.op == "cancel":
+                seq = e.seqs.get(a.req)
+                if seq is None or seq.done:
+                    return True
+                if not self.observe:
+                    e.cancel(a.req)
+                    return True
+                phase, before = (
+                    self._phase(a.req),
+                    seq.phase,
+                )  # before the cancel makes it "cancelled"
+                snap = e.bm.snapshot()
+                blocks = snap.seq_blocks.get(a.req, [])
+                e.cancel(a.req)
+                self.h.append(
+                    {
+                        "e": "cancel",
+                        "step": step,
+                        "req": a.req,
+                        "phase": before if phase == "shared" else phase,
+                        "shared": phase == "shared",
+                        "blocks": blocks,
+                        "origin": a.origin,
+                    }
+                )
+                self._oracle(a.req, step)
+        except (InvalidRequest, RequestRejected) as err:
+            self.rejected.add(a.req)
+            self.h.append(
+                {
+                    "e": "reject",
+                    "step": step,
+                    "req": a.req,
+                    "error": type(err).__name__,
+                    "message": str(err),
+                    "origin": a.origin,
+                }
+            )
+        return True
+
+    def _oracle(self, req: str, step: int) -> None:
+        """Queue a request that will produce no more tokens for the oracle; checked in batches."""
+        rows = self.logits.pop(req, [])
+        steps = self.token_steps.pop(req, [])
+        if rows:
+            seq = self.engine.seqs[req]
+            self.oracle_queue.append(
+                (step, steps, (req, list(seq.tokens), seq.prompt_len, torch.stack(rows)))
+            )
+            if len(self.oracle_queue) >= ORACLE_BATCH:
+                self._check_oracle_queue()
+
+    def _check_oracle_queue(self) -> None:
+        queue, self.oracle_queue = self.oracle_queue, []
+        for (step, steps, _), res in zip(queue, self.oracle.check_many([q[2] for q in queue])):
+            r = res.to_dict()
+            r["req"] = r.pop("request")
+            r["divergence_step"] = (
+                steps[r["first_divergence"]] if r["first_divergence"] is not None else None
+            )
+            self.h.append({"e": "oracle", "step": step, **r})
+            self.oracle_results.append(r)
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self, deadline: float | None = None) -> str:
+        e, h, run = self.engine, self.h, self.sc.run
+        step = 0
+        while step < run.max_steps:
+            step = e.step_count + 1
+            self.pending += self.actions.pop(step, [])
+            self.pending = [a for a in self.pending if not self._do(a, step)]
+            if not e.has_unfinished() and not self.actions:
+                return "done"
+            for f in self.faults:
+                f.before_step(e, step)
+            out = e.step()
+            st = out.stats
+            for f in self.faults:
+                f.after_step(e, st.step, out)
+            if not self.observe:
+                continue
+            if self.snapped != st.step and st.step % run.snapshot_every == 0:
+                self.snapshot(
+                    st.step
+                )  # nothing was uploaded (nothing could run): still look, every step
+            h.append(
+                {
+                    "e": "step",
+                    "step": st.step,
+                    "latency_s": st.latency_s,
+                    "host_s": st.host_s,
+                    "cpu_s": st.cpu_s,
+                    "free_blocks": st.free_blocks,
+                    "running": st.num_running,
+                    "waiting": st.num_waiting,
+                    "prefill_tokens": st.prefill_tokens,
+                    "decode_tokens": st.decode_tokens,
+                    "preempted": st.preempted,
+                    "tokens": out.tokens,
+                    "finished": out.finished,
+                    "table_version": st.table_version,
+                    "stale_ranks": st.stale_ranks,
+                    "rank_crcs": st.rank_table_crcs,
+                    "table_crc": st.table_crc,
+                    **self.telemetry.step_fields(st.step),
+                }
+            )
+            for req, row in out.logits.items():
+                self.logits.setdefault(req, []).append(row)
+                self.token_steps.setdefault(req, []).append(st.step)
+            for req in out.finished:
+                self._oracle(req, st.step)
+            h.flush()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run exceeded its time limit at step {st.step}")
+        return "max_steps"
+
+    def finish(self, reason: str) -> dict:
+        # The oracle first: what the queue holds is lost if anything after it fails.
+        for req in list(self.logits):  # still running at the end: check what they produced
+            self._oracle(req, self.engine.step_count)
+        self._check_oracle_queue()
+        # The final state: after the last step's frees and any cancels that came after it.
+        self.snapshot(self.engine.step_count + 1)
+        verify = {
+            f.name: f.verify() if f.defect else {"planted": False, **f.verify()}
+            for f in self.faults
+        }
+        self.h.append(
+            {
+                "e": "run_end",
+                "step": self.engine.step_count,
+                "reason": reason,
+                "counters": dict(self.engine.counters),
+                "fault_verify": verify,
+                "telemetry": self.telemetry.summary(),
+            }
+        )
+        return verify

@@ -1,0 +1,167 @@
+"""The soak's scenario space: the declared ranges SPACE, and the scenario a seed draws from it.
+
+Each seed picks a mix of triggers, planted defects and workload parameters within SPACE; the
+result is a scenario dict in the TOML file's shape, with the expectation its planted defects imply.
+"""
+
+from __future__ import annotations
+
+import random
+
+# The declared ranges every soak scenario is drawn from: (lo, hi) is an inclusive range (ints
+# stay ints), a list is a choice, {"subset": [...], "min": k} a random subset of at least k.
+# The shapes follow what each failure mode needs to be provoked.
+SPACE = {
+    "engine": {
+        "block_size": [2, 4, 8],
+        "max_blocks_per_seq": (8, 24),
+        "max_num_seqs": (4, 8),
+        "pool_rows": (3, 8),  # num_blocks = pool_rows x max_blocks_per_seq
+        "max_prefill_tokens": (16, 64),
+        "tp_size": [1, 2],
+    },
+    "workload": {
+        "num_requests": (2, 16),
+        "arrival_rate": (0.5, 3.0),
+        "prompt_max": (4, 40),
+        "output_max": (4, 32),
+        "fork_groups": (0, 3),
+        "cancel_rate": (0.0, 0.2),
+        "cancel_phases": {
+            "subset": ["waiting", "prefill", "decode", "preempted", "shared"],
+            "min": 0,
+        },
+    },
+    # a stall needs a steady decode-only stretch to measure a trend against its own baseline
+    "stall_workload": {"num_requests": (1, 4), "output_len": (70, 100), "prompt_max": (4, 12)},
+    "fault_probability": 0.4,  # each failure mode's trigger is in the mix with this probability
+    "defect_probability": 0.5,  # and, when it is, its defect is planted with this one
+    "faults": {
+        "table_overflow": {
+            "at_step": (1, 6),
+            "long_requests": (1, 2),
+            "overshoot": (1.1, 2.0),
+            "boundary": [True, False],
+            "neighbours": (1, 4),
+        },
+        "refcount_leak": {
+            "cancel_phases": {"subset": ["prefill", "decode", "shared"], "min": 1},
+            "fraction": (0.5, 1.0),
+            "storm_step": (4, 16),
+            "storm_fraction": (0.2, 0.8),
+        },  # phase cancels alone rarely land
+        "staging_stall": {
+            "at_step": (20, 30),
+            "ramp_steps": (6, 16),
+            "plateau_us": (2000.0, 5000.0),
+        },
+        "ordering_race": {"lag_steps": (1, 2), "probability": (0.2, 0.6), "from_step": (2, 5)},
+    },
+    # expect.within_steps per planted failure mode (the soak takes the largest of those planted)
+    "within_steps": {
+        "table_overflow": 2,
+        "refcount_leak": 2,
+        "staging_stall": 20,
+        "ordering_race": 2,
+    },
+}
+
+
+def _draw(rng: random.Random, spec):
+    if isinstance(spec, dict):
+        return rng.sample(spec["subset"], rng.randint(spec["min"], len(spec["subset"])))
+    if isinstance(spec, list):
+        return _draw(rng, rng.choice(spec))
+    if isinstance(spec, tuple):
+        lo, hi = spec
+        return rng.randint(lo, hi) if isinstance(lo, int) else round(rng.uniform(lo, hi), 3)
+    return spec
+
+
+def generate_scenario(seed: int) -> dict:
+    """The scenario dict (the TOML file's shape) that this seed stands for."""
+    from kvchaos.faults import REGISTRY
+
+    rng = random.Random(f"{seed}/soak")
+    e, w = SPACE["engine"], SPACE["workload"]
+    faults = []
+    for name in REGISTRY:
+        if rng.random() < SPACE["fault_probability"]:
+            params = {k: _draw(rng, spec) for k, spec in SPACE["faults"][name].items()}
+            faults.append(
+                {
+                    "name": name,
+                    "defect": rng.random() < SPACE["defect_probability"],
+                    "params": params,
+                }
+            )
+    names = [f["name"] for f in faults]
+    width = _draw(rng, e["max_blocks_per_seq"])
+    engine = {
+        "max_prefill_tokens": _draw(rng, e["max_prefill_tokens"]),
+        "tp_size": 2 if "ordering_race" in names else _draw(rng, e["tp_size"]),
+        "cache": {
+            "block_size": _draw(rng, e["block_size"]),
+            "max_blocks_per_seq": width,
+            "max_num_seqs": _draw(rng, e["max_num_seqs"]),
+            "num_blocks": width * _draw(rng, e["pool_rows"]),
+        },
+    }
+    cache = engine["cache"]
+    if "staging_stall" in names:
+        sw = SPACE["stall_workload"]
+        out, prompt = _draw(rng, sw["output_len"]), _draw(rng, sw["prompt_max"])
+        # every request must fit a row, or nothing decodes long enough to show a trend
+        cache["max_blocks_per_seq"] = max(width, -(-(out + prompt) // cache["block_size"]))
+        cache["num_blocks"] = max(cache["num_blocks"], 2 * cache["max_blocks_per_seq"])
+        workload = {
+            "num_requests": _draw(rng, sw["num_requests"]),
+            "arrival_rate": 4.0,
+            "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
+            "output_len": {"dist": "fixed", "value": out, "min": 1, "max": out},
+        }
+    else:
+        # the workload's own requests fit a row: over-long ones are the table_overflow trigger's job
+        cap = width * cache["block_size"]
+        prompt = min(_draw(rng, w["prompt_max"]), cap // 2)
+        out = min(_draw(rng, w["output_max"]), cap - prompt)
+        workload = {
+            "num_requests": _draw(rng, w["num_requests"]),
+            "arrival_rate": _draw(rng, w["arrival_rate"]),
+            "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
+            "output_len": {"dist": "uniform", "min": 1, "max": out},
+            "fork_groups": _draw(rng, w["fork_groups"]),
+            "cancel": {
+                "rate": _draw(rng, w["cancel_rate"]),
+                "phases": _draw(rng, w["cancel_phases"]),
+            },
+        }
+    planted = [f["name"] for f in faults if f["defect"]]
+    if planted:
+        detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
+        expect = {
+            "outcome": "detect",
+            "checkers": detectors,
+            "within_steps": max(SPACE["within_steps"][n] for n in planted),
+        }
+    else:
+        expect = {"outcome": "clean"}
+    mix = (
+        ", ".join(f"{f['name']} ({'defect' if f['defect'] else 'trigger'})" for f in faults)
+        or "no faults"
+    )
+    data = {
+        "scenario": {
+            "name": f"soak-{seed}",
+            "description": f"soak seed {seed}: {mix}",
+            "tags": ["soak"],
+            "seeds": [seed],
+        },
+        "engine": engine,
+        "workload": workload,
+        "faults": faults,
+        "expect": expect,
+    }
+    if not faults:
+        del data["faults"]
+    return data

@@ -1,0 +1,83 @@
+"""The house's rules, checked on the source: imports run one way (doors -> tools -> report -> judge
+-> faults -> engine), and no module grows past one idea's size."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# room -> the rooms it may import from (besides itself)
+ALLOWED = {
+    "engine": set(),
+    "faults": {"engine"},
+    "harness.judge": {"faults", "engine"},
+    "harness.report": {"harness.judge", "faults", "engine"},
+    "harness.tools": {"harness.report", "harness.judge", "faults", "engine"},
+    "harness.bench": {"harness.report", "harness.judge", "faults", "engine"},
+    "harness.doors": {
+        "harness.tools",
+        "harness.report",
+        "harness.judge",
+        "harness.bench",
+        "faults",
+        "engine",
+    },
+}
+DOORS = {"cli.py", "pytest_plugin.py", "__init__.py"}
+MAX_LINES = 550  # "about 500": one idea per file
+
+
+def _room(path: Path) -> str:
+    rel = path.relative_to(REPO)
+    if rel.parts[0] != "harness":
+        return rel.parts[0]
+    return "harness.doors" if rel.parts[1] in DOORS else f"harness.{rel.parts[1]}"
+
+
+def _imports(path: Path) -> set[str]:
+    """kvchaos modules imported anywhere in the file (function-level imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m.removeprefix("kvchaos.") for m in out if m.startswith("kvchaos.")}
+
+
+def _target_room(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "harness":
+        return parts[0]
+    if len(parts) == 1 or parts[1] in ("cli", "pytest_plugin"):
+        return "harness.doors"
+    return f"harness.{parts[1]}"
+
+
+SOURCES = sorted(
+    p for folder in ("engine", "faults", "harness") for p in (REPO / folder).rglob("*.py")
+)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_imports_run_one_way(path):
+    room = _room(path)
+    rooms = {m: _target_room(m) for m in _imports(path)}
+    wrong = {m for m, r in rooms.items() if r != room and r not in ALLOWED[room]}
+    assert not wrong, f"{room} must not import {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_outgrows_one_idea(path):
+    n = len(path.read_text(encoding="utf-8").splitlines())
+    assert n <= MAX_LINES, f"{n} lines: split it by idea"
+
+
+def test_the_rule_itself_can_fire(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from kvchaos.harness.report.render import publish\n")
+    assert _imports(bad) == {"harness.report.render"}
+    assert _target_room("harness.report.render") not in ALLOWED["harness.judge"]
