@@ -184,7 +184,7 @@ def _print_table(console, results, quiet: bool) -> None:
     colour = {
         "PASS": "green",
         "MISSED": "red",
-        "FALSE_ALARM": "red",
+        "FAIL": "red",
         "ERROR": "red",
         "INCONCLUSIVE": "yellow",
     }

@@ -49,7 +49,7 @@ def test_help_from_the_console_script():
     assert out.returncode == 0 and out.stderr == ""
     assert "list" in out.stdout and "run" in out.stdout
     assert (
-        "exit codes: 0 PASS, 10 MISSED, 11 FALSE_ALARM, 12 INCONCLUSIVE, 13 ERROR, 2 bad input"
+        "exit codes: 0 PASS, 10 MISSED, 11 FAIL, 12 INCONCLUSIVE, 13 ERROR, 2 bad input"
         in out.stdout
     )
 
@@ -217,7 +217,7 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
             "race-one-rank",
             SMALL + '[[faults]]\nname = "ordering_race"\ndefect = false\n',
         ),
-        "FALSE_ALARM": write_scenario(
+        "FAIL": write_scenario(
             tmp_path, "clean-under-leaky-bm", SMALL + '[workload.cancel]\nphases = ["shared"]\n'
         ),
     }
@@ -232,7 +232,7 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     for verdict, path in files.items():
-        extra = ["--block-manager", "leaky_bm:Leaky"] if verdict == "FALSE_ALARM" else []
+        extra = ["--block-manager", "leaky_bm:Leaky"] if verdict == "FAIL" else []
         rc, out, _ = cli(capsys, "run", path, "--seed", "0", "--report-dir", tmp_path / "r", *extra)
         assert rc == EXIT_CODES[verdict], (verdict, out)
         assert f"{verdict} 1/1" in out

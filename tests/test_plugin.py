@@ -227,7 +227,7 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
         passed=1, failed=1
     )  # the scenario that passes on the reference block manager fails
     out = res.stdout.str()
-    assert "FALSE_ALARM: block_accounting fired with nothing planted" in out
+    assert "FAIL: block_accounting fired with nothing planted" in out
     assert (
         "--block-manager leaky_bm:Leaky" in out
     )  # the replay line runs it under the same block manager

@@ -264,7 +264,7 @@ def test_minimal_reproducer_section_points_at_the_shrunk_files(runs, tmp_path):
     assert "`min/overflow.toml`" in md and "`min/test_overflow.py`" in md and "not shrunk" not in md
 
 
-def test_false_alarm_root_cause_is_suspected(runs, tmp_path):
+def test_fail_root_cause_is_suspected(runs, tmp_path):
     r = runs[1]["baseline-clean"]
     copy = tmp_path / "run"
     shutil.copytree(r.run_dir, copy)
@@ -283,10 +283,10 @@ def test_false_alarm_root_cause_is_suspected(runs, tmp_path):
             }
         ],
     )
-    results.update(verdict="FALSE_ALARM", summary="latency fired with nothing planted")
+    results.update(verdict="FAIL", summary="latency fired with nothing planted")
     render.write_reports(copy, results, plots=False)
     (inc,) = results["incidents"]
-    assert inc["kind"] == "false_alarm" and inc["root_cause"]["status"] == "suspected"
+    assert inc["kind"] == "bug" and inc["root_cause"]["status"] == "suspected"
     assert (
         REGISTRY["staging_stall"].root_cause in inc["root_cause"]["text"]
     )  # latency is what catches a stall

@@ -354,13 +354,13 @@ def test_block_manager_by_spec_string(tiny):
     assert bad.verdict == "ERROR" and "cannot import nosuch_module_xyz" in bad.summary
 
 
-def test_a_leaky_user_block_manager_is_a_false_alarm_blamed_on_it(tmp_path):
+def test_a_leaky_user_block_manager_is_a_fail_blamed_on_it(tmp_path):
     sc = load_scenario(
         "refcount-leak-clean"
     )  # cancels while sharing, a storm; the reference engine holds
     assert run_scenario(sc, 0, report_dir=None).verdict == "PASS"
     r = run_scenario(sc, 0, report_dir=tmp_path, block_manager=LeakyBM)
-    assert r.verdict == "FALSE_ALARM", r.summary
+    assert r.verdict == "FAIL", r.summary
     assert "block_accounting" in r.summary
     leaks = [f for f in r.findings if f.checker == "block_accounting" and f.kind == "leak"]
     assert leaks and all(f.manifest is False for f in leaks)

@@ -364,7 +364,7 @@ def test_histories_are_pruned_unless_a_run_is_cited(tmp_path):
     again = run(1, "PASS", [(fp, 5)])
     faster = run(2, "PASS", [(fp, 3)])
     clean = run(3, "PASS", [])
-    alarm = run(4, "FALSE_ALARM", [(("FALSE_ALARM", "-", "liveness", "starvation"), 4)])
+    alarm = run(4, "FAIL", [(("FAIL", "-", "liveness", "starvation"), 4)])
     assert [p.exists() for p in (first, again, faster, clean, alarm)] == [
         True,
         False,

@@ -10,7 +10,7 @@ from kvchaos.harness.judge.scenario import parse_scenario
 from kvchaos.harness.judge.verdict import (
     ERROR,
     EXIT_CODES,
-    FALSE_ALARM,
+    FAIL,
     INCONCLUSIVE,
     MEANING,
     MISSED,
@@ -114,14 +114,14 @@ def test_missed_names_the_one_of_two_planted_faults_not_caught():
     )
 
 
-def test_false_alarm_with_nothing_planted_names_the_earliest_finding():
+def test_fail_with_nothing_planted_names_the_earliest_finding():
     v = decide(scenario(), checks(("liveness", 40), ("table_integrity", 7)), {}, None)
-    assert v.verdict == FALSE_ALARM and v.exit_code == 11
+    assert v.verdict == FAIL and v.exit_code == 11
     assert "table_integrity" in v.summary and "step 7" in v.summary
 
 
-def test_false_alarm_with_trigger_only_faults():
-    """The remediation failed under the trigger: a real engine bug, reported as a false alarm of
+def test_fail_with_trigger_only_faults():
+    """The remediation failed under the trigger: a real engine bug, reported as a bug found of
     the scenario."""
     sc = scenario(faults=[("refcount_leak", False)])
     v = decide(
@@ -130,7 +130,7 @@ def test_false_alarm_with_trigger_only_faults():
         {"refcount_leak": {"planted": False, "fired": False}},
         None,
     )
-    assert v.verdict == FALSE_ALARM
+    assert v.verdict == FAIL
 
 
 @pytest.mark.parametrize("verify", [{"refcount_leak": {"fired": False, "first_step": None}}, {}])
@@ -156,7 +156,7 @@ def test_error_when_a_checker_could_not_decide_never_pass(sc):
 def test_exit_codes_are_distinct_and_not_usage_or_pytest_codes():
     assert (
         set(EXIT_CODES)
-        == {PASS, MISSED, FALSE_ALARM, INCONCLUSIVE, ERROR}
+        == {PASS, MISSED, FAIL, INCONCLUSIVE, ERROR}
         == set(MEANING)
         == set(SEVERITY)
     )
@@ -172,8 +172,8 @@ def test_exit_codes_are_distinct_and_not_usage_or_pytest_codes():
         ([PASS, PASS], PASS),
         ([PASS, INCONCLUSIVE], INCONCLUSIVE),
         ([INCONCLUSIVE, ERROR, PASS], ERROR),
-        ([ERROR, FALSE_ALARM], FALSE_ALARM),
-        ([FALSE_ALARM, MISSED, ERROR], MISSED),
+        ([ERROR, FAIL], FAIL),
+        ([FAIL, MISSED, ERROR], MISSED),
         ([PASS, MISSED], MISSED),
     ],
 )

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PASS, MISSED, FALSE_ALARM, INCONCLUSIVE, ERROR = (
-    "PASS",
-    "MISSED",
-    "FALSE_ALARM",
-    "INCONCLUSIVE",
-    "ERROR",
-)
-EXIT_CODES = {PASS: 0, MISSED: 10, FALSE_ALARM: 11, INCONCLUSIVE: 12, ERROR: 13}
+PASS, MISSED, FAIL, INCONCLUSIVE, ERROR = "PASS", "MISSED", "FAIL", "INCONCLUSIVE", "ERROR"
+# Verdict names recorded by older releases: FALSE_ALARM read as "the harness was wrong", yet it is
+# what a real bug in the system under test gets.
+LEGACY = {"FALSE_ALARM": FAIL}
+EXIT_CODES = {PASS: 0, MISSED: 10, FAIL: 11, INCONCLUSIVE: 12, ERROR: 13}
 # For many runs: the exit code of the most serious verdict seen.
-SEVERITY = [MISSED, FALSE_ALARM, ERROR, INCONCLUSIVE, PASS]
+SEVERITY = [MISSED, FAIL, ERROR, INCONCLUSIVE, PASS]
 MEANING = {
     PASS: "as expected: clean and clean, or planted, fired and caught",
     MISSED: "a planted defect fired and no expected checker caught it in time: the harness failed",
-    FALSE_ALARM: (
-        "a checker fired where nothing was planted: a harness false positive or a real engine bug"
-    ),
+    FAIL: "bug found: a checker fired with nothing planted, or the remediation failed",
     INCONCLUSIVE: "the planted defect never fired: the trigger did not provoke it",
     ERROR: "the run itself broke (engine exception, timeout, or a checker that could not decide)",
 }
@@ -34,6 +29,11 @@ class Verdict:
     @property
     def exit_code(self) -> int:
         return EXIT_CODES[self.verdict]
+
+
+def current(verdict: str | None) -> str | None:
+    """A recorded verdict in today's names."""
+    return LEGACY.get(verdict, verdict)
 
 
 def worst(verdicts: list[str]) -> str:
@@ -54,7 +54,7 @@ def decide(sc, checks: list, verify: dict, error: dict | None) -> Verdict:
         if fired_checks:
             first = min((f for c in fired_checks for f in c.findings), key=lambda f: f.step)
             return Verdict(
-                FALSE_ALARM,
+                FAIL,
                 f"{first.checker} fired with nothing planted (step {first.step}): {first.message}",
                 {},
             )

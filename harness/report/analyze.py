@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.judge.history import deterministic_digest, read_history
-from kvchaos.harness.judge.verdict import EXIT_CODES
+from kvchaos.harness.judge.verdict import EXIT_CODES, current
 from kvchaos.harness.report.index import update_index
 from kvchaos.harness.report.render import write_reports
 from kvchaos.harness.report.view import RunView
@@ -87,7 +87,7 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
         "history_digest": deterministic_digest(events),
         "metrics": _metrics(events),
         "replay": stored.get("replay") or replay_command(sc, seed, device),
-        "analyzed_from": stored.get("verdict"),
+        "analyzed_from": current(stored.get("verdict")),
     }
     results.pop("report_error", None)
     write_reports(run_dir, results, events, plots=plots)

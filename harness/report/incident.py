@@ -83,7 +83,7 @@ def _subjects(results: dict, v: RunView) -> list[tuple[str, str | None, list[str
         if c not in explained:
             owner = next((n for n, d in v.armed.items() if c in d.get("detectors", [])), None)
             groups.setdefault(owner, []).append(c)
-    kind = "unexplained" if planted else "false_alarm"
+    kind = "unexplained" if planted else "bug"
     out += [(kind, owner, cs) for owner, cs in groups.items()]
     return out
 
@@ -329,7 +329,7 @@ def _summary(kind, fault, det, impact, fv) -> str:
     else:
         why = (
             "with nothing planted"
-            if kind == "false_alarm"
+            if kind == "bug"
             else "and the planted defect does not explain it"
         )
         lead = f"{', '.join(det['checkers'])} fired {why} (first at step {det['first_step']})."
@@ -350,7 +350,7 @@ def _title(kind, fault, det, results) -> str:
             f"run error: {err.get('error', 'checker could not decide')}: "
             f"{str(err.get('message', ''))[:80]} ({where})"
         )
-    label = "false alarm" if kind == "false_alarm" else "unexplained finding"
+    label = "bug found" if kind == "bug" else "unexplained finding"
     return f"{label}: {', '.join(det['checkers'])} fired at step {det['first_step']} ({where})"
 
 

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from kvchaos.harness.judge.verdict import current
 from kvchaos.harness.report.render import template_env, write_atomic
 
 # -- index across runs ----------------------------------------------------------------------
@@ -18,7 +19,7 @@ def _entry(d: Path) -> dict:
     r = json.loads((d / "results.json").read_text(encoding="utf-8"))
     return {
         "dir": d.name,
-        "verdict": r.get("verdict"),
+        "verdict": current(r.get("verdict")),
         "scenario": r.get("scenario"),
         "seed": r.get("seed"),
         "time": r.get("started"),

@@ -8,7 +8,7 @@ not an ERROR) is replayed and its history digest compared: a mismatch is NONDETE
 retried. At the end: soak-summary.md / .html in the soak's folder, incidents deduplicated by
 fingerprint (label, failure mode, checker, finding kind) with the first and fastest seed of each.
 
-Exit codes: 0 nothing unexpected (PASS / INCONCLUSIVE only), 10 MISSED, 11 FALSE_ALARM,
+Exit codes: 0 nothing unexpected (PASS / INCONCLUSIVE only), 10 MISSED, 11 FAIL,
 14 nondeterminism, 13 ERROR (in that order of precedence), 2 bad input.
 
   kvchaos soak --budget 30m --device cuda --shard 1/4 --per-run-timeout 120
@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FALSE_ALARM, MISSED, PASS
+from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
 from kvchaos.harness.tools.ledger import Ledger
 from kvchaos.harness.tools.soak_space import generate_scenario
 from kvchaos.harness.tools.soak_summary import (
@@ -172,7 +172,7 @@ class Soak:
                 if x["step"] < inc["fastest_step"]:
                     cited = True
                     inc.update(fastest_seed=seed, fastest_step=x["step"], fastest_run=r["run_dir"])
-        if r["verdict"] in (MISSED, FALSE_ALARM, ERROR) and len(self.unexpected) < 200:
+        if r["verdict"] in (MISSED, FAIL, ERROR) and len(self.unexpected) < 200:
             self.unexpected.append(
                 {
                     "seed": seed,
@@ -359,7 +359,7 @@ class Soak:
         return code
 
     def exit_code(self) -> int:
-        for v in (MISSED, FALSE_ALARM):
+        for v in (MISSED, FAIL):
             if self.counts[v]:
                 return EXIT_CODES[v]
         if self.nondet:
