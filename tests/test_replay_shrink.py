@@ -182,3 +182,41 @@ def test_shrinking_the_planted_table_overflow_keeps_the_detection(run_dir, capsy
     )
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr
     assert "table_integrity" in test_path.read_text()
+
+
+class SpareBM:
+    """A user's block manager, named by spec: the reference under another name."""
+
+    def __new__(cls, *a):
+        from kvchaos.engine.block_manager import BlockManager
+
+        return BlockManager(*a)
+
+
+def test_a_user_block_manager_run_replays_identically_under_that_manager(tmp_path):
+    spec = f"{__name__}:SpareBM"
+    r = run_scenario(
+        load_scenario("refcount-leak-clean"), 0, "cpu", tmp_path, block_manager_spec=spec
+    )
+    res = json.loads((r.run_dir / "results.json").read_text())
+    assert res["block_manager"] == spec and res["tp_mode"] == "simulated" and res["world_size"] == 1
+    out = replay(r.run_dir)
+    assert out["identical"], out["first_difference"]
+    assert out["block_manager_spec"] == spec
+
+
+def test_a_run_recorded_before_one_import_name_still_replays_and_analyzes(run_dir, capsys):
+    """Runs recorded with top-level engine.* names: the same reference manager, the same run."""
+    hist = run_dir / "history.jsonl"
+    events = [json.loads(line) for line in hist.read_text().splitlines()]
+    assert events[0]["e"] == "run_start"
+    events[0]["block_manager"] = "engine.block_manager:BlockManager"
+    hist.write_text("".join(json.dumps(e) + "\n" for e in events))
+    res = json.loads((run_dir / "results.json").read_text())
+    res.pop("block_manager", None)
+    (run_dir / "results.json").write_text(json.dumps(res))
+    out = replay(run_dir)
+    assert out["identical"], out["first_difference"]
+    assert out["block_manager_spec"] is None  # the reference: no --block-manager needed
+    assert cli_main(["analyze", str(run_dir), "--no-plots"]) == 0
+    assert "suspected" not in (run_dir / "incident-001.md").read_text()

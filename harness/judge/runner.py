@@ -20,7 +20,7 @@ from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.live import LiveRun
 from kvchaos.harness.judge.scenario import Scenario
 from kvchaos.harness.judge.toml_writer import dumps
-from kvchaos.harness.judge.user_code import load_object
+from kvchaos.harness.judge.user_code import REFERENCE, load_object
 from kvchaos.harness.judge.verdict import decide
 
 DEFAULT_REPORT_DIR = Path("reports")
@@ -129,7 +129,7 @@ def run_scenario(
                 "commit": git_commit(),
                 "device": device,
                 "time": dt.datetime.now().isoformat(timespec="seconds"),
-                "block_manager": block_manager_spec or "kvchaos.engine.block_manager:BlockManager",
+                "block_manager": block_manager_spec or REFERENCE,
                 "telemetry": run.telemetry.status(),
                 "plan": [a.to_dict() for a in run.plan.actions],
             }
@@ -199,6 +199,9 @@ def run_scenario(
         "commit": git_commit(),
         "config_hash": run.cfg.config_hash() if run else None,
         "device": device,
+        "block_manager": block_manager_spec or REFERENCE,
+        "tp_mode": run.cfg.tp_mode if run else tp.get("tp_mode"),
+        "world_size": run.cfg.tp_size if run else tp.get("tp_size"),
         "steps": run.engine.step_count if run else 0,
         "wall_s": round(time.perf_counter() - t0, 3),
         "reason": reason,

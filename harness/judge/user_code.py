@@ -17,6 +17,7 @@ import kvchaos
 ROOT = Path(kvchaos.__file__).resolve().parent
 # Before one import name, kvchaos's folders were top-level packages: recorded runs name them so.
 OLD_TOP_LEVEL = ("engine", "faults", "harness", "scenarios")
+REFERENCE = "kvchaos.engine.block_manager:BlockManager"  # the reference block manager
 MIN_COPY_BYTES = 200  # an empty __init__.py of the same name is no copy
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from kvchaos.harness.report.view import RunView
 
-DEFAULT_BLOCK_MANAGER = "kvchaos.engine.block_manager:BlockManager"
 EVIDENCE_MAX = 12  # evidence entries shown per incident
 
 
@@ -38,7 +37,7 @@ def trigger_section(v: RunView, fault: str | None, fv: dict) -> dict:
             f"{cc.get('max_blocks_per_seq')} blocks "
             f"({(cc.get('max_blocks_per_seq') or 0) * (cc.get('block_size') or 0)} "
             f"tokens per sequence); tp_size {cfg.get('tp_size')}; block manager "
-            f"{v.start.get('block_manager', DEFAULT_BLOCK_MANAGER)}"
+            f"{v.block_manager}"
         )
         if cc
         else "unknown (no run_start event)"

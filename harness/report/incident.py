@@ -6,9 +6,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from kvchaos.harness.judge.user_code import REFERENCE
 from kvchaos.harness.judge.verdict import ERROR, MEANING
 from kvchaos.harness.report.evidence import (
-    DEFAULT_BLOCK_MANAGER,
     detection,
     error_site,
     run_error,
@@ -203,8 +203,8 @@ def _impact(
 def _root_cause(
     v: RunView, kind: str, fault: str | None, checkers: list[str], results: dict
 ) -> tuple[dict, str]:
-    bm = v.start.get("block_manager", DEFAULT_BLOCK_MANAGER)
-    own = bm != DEFAULT_BLOCK_MANAGER
+    bm = v.block_manager
+    own = bm != REFERENCE
     if kind == "error":
         err = run_error(v, results)
         unknown = [c for c in results.get("checkers", []) if c["valid"] is None]
@@ -372,8 +372,8 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
         steps = steps or timeline(v, results)
         n = len(out) + 1
         replay = results.get("replay", "")
-        bm = v.start.get("block_manager", DEFAULT_BLOCK_MANAGER)
-        if bm != DEFAULT_BLOCK_MANAGER and "--block-manager" not in replay:
+        bm = v.block_manager
+        if bm != REFERENCE and "--block-manager" not in replay:
             replay += f" --block-manager {bm}"
         first = det["findings"][0] if det["findings"] else {}
         err = run_error(v, results) if kind == "error" else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvchaos.harness.report.evidence import DEFAULT_BLOCK_MANAGER, kv_text
+from kvchaos.harness.report.evidence import kv_text
 from kvchaos.harness.report.view import RunView
 
 TIMELINE_MAX, REPEATS_SHOWN = 80, 3
@@ -22,7 +22,7 @@ def timeline(v: RunView, results: dict) -> list[dict]:
                 -2,
                 f"run started: {e['scenario']} seed {e['seed']} on {e['device']}, "
                 f"commit {e['commit']}, "
-                f"block manager {e.get('block_manager', DEFAULT_BLOCK_MANAGER)}",
+                f"block manager {v.block_manager}",
             )
         elif k == "fault":
             d = e["detail"]

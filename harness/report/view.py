@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 
+from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec
+
 
 class RunView:
     """One pass over a run's events: the indexes every section reads."""
@@ -15,6 +17,8 @@ class RunView:
             by.setdefault(e.get("e"), []).append(e)
         self.by = by
         self.start = (by.get("run_start") or [{}])[0]
+        # the block manager in today's names (runs recorded before one import name say engine.*)
+        self.block_manager = canonical_spec(self.start.get("block_manager")) or REFERENCE
         self.end = (by.get("run_end") or [None])[-1]
         self.steps = by.get("step", [])
         self.snaps = by.get("snapshot", [])

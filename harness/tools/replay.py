@@ -14,6 +14,7 @@ Exit codes: 0 identical, 1 different, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from kvchaos.harness.judge.history import UNSTABLE_KEYS, _stable_line, iter_history
+from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec
 
 EXIT_DIFFERENT = 1
 
@@ -59,15 +61,51 @@ def load_run(run_dir: str | Path):
     return sc, data, results
 
 
+def recorded_setup(run_dir: str | Path, results: dict) -> dict:
+    """How the run was set up beyond scenario, seed and device: its block manager (in today's
+    names) and its ranks, as run_scenario's keyword arguments."""
+    start = next(iter_history(Path(run_dir) / "history.jsonl"), {}) if _has_history(run_dir) else {}
+    spec = canonical_spec(results.get("block_manager") or start.get("block_manager"))
+    cfg = start.get("config", {})
+    return {
+        "block_manager_spec": None if spec in (None, REFERENCE) else spec,
+        "tp_mode": results.get("tp_mode") or cfg.get("tp_mode"),
+        "world_size": results.get("world_size") or cfg.get("tp_size"),
+    }
+
+
+def _has_history(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / "history.jsonl").is_file()
+
+
 def _stable(event: dict) -> dict:
     return {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
+
+
+def _today(events):
+    """Events with the run_start's block manager in today's names (runs recorded before kvchaos
+    had one import name say engine.*): the same manager is the same run."""
+    for ev in events:
+        if ev.get("e") == "run_start" and ev.get("block_manager"):
+            ev = {**ev, "block_manager": canonical_spec(ev["block_manager"])}
+        yield ev
+
+
+def history_digest(path: Path) -> str:
+    """The deterministic digest of a stored history, streamed, in today's names."""
+    h = hashlib.sha256()
+    for ev in _today(iter_history(path)):
+        h.update(_stable_line(ev))
+    return h.hexdigest()
 
 
 def first_difference(recorded: Path, replayed: Path) -> dict | None:
     """The first event whose deterministic part differs (or that one history lacks), else None.
     Both histories are streamed: a long run is never held in memory."""
     missing = object()
-    pairs = itertools.zip_longest(iter_history(recorded), iter_history(replayed), fillvalue=missing)
+    pairs = itertools.zip_longest(
+        _today(iter_history(recorded)), _today(iter_history(replayed)), fillvalue=missing
+    )
     for i, (a, b) in enumerate(pairs):
         if a is missing or b is missing:
             there = b if a is missing else a
@@ -94,18 +132,27 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
     return None
 
 
-def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | None = None) -> dict:
+def replay(
+    run_dir: str | Path,
+    device: str | None = None,
+    timeout_s: float | None = None,
+    overrides: dict | None = None,
+) -> dict:
     """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}"""
     from kvchaos.harness.judge.runner import run_scenario
 
     sc, _, results = load_run(run_dir)
     device = device or results["device"]
+    setup = {
+        **recorded_setup(run_dir, results),
+        **{k: v for k, v in (overrides or {}).items() if v},
+    }
     stored = Path(run_dir) / "history.jsonl"
     plots = os.environ.get("KVCHAOS_PLOTS")
     os.environ["KVCHAOS_PLOTS"] = "none"  # the replay's folder is thrown away: no figures for it
     try:
         with tempfile.TemporaryDirectory(prefix="kvchaos-replay-") as tmp:
-            r = run_scenario(sc, results["seed"], device, tmp, timeout_s=timeout_s)
+            r = run_scenario(sc, results["seed"], device, tmp, timeout_s=timeout_s, **setup)
             new = r.results["history_digest"]
             diff = (
                 first_difference(stored, r.run_dir / "history.jsonl") if stored.exists() else None
@@ -114,7 +161,7 @@ def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | No
         os.environ.pop("KVCHAOS_PLOTS") if plots is None else os.environ.__setitem__(
             "KVCHAOS_PLOTS", plots
         )
-    recorded = results.get("history_digest")
+    recorded = history_digest(stored) if stored.exists() else results.get("history_digest")
     return {
         "identical": recorded == new and diff is None,
         "recorded_digest": recorded,
@@ -126,6 +173,7 @@ def replay(run_dir: str | Path, device: str | None = None, timeout_s: float | No
         "scenario": sc.name,
         "recorded_verdict": results.get("verdict"),
         "replay_verdict": r.verdict,
+        **setup,
     }
 
 
@@ -192,10 +240,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=None, metavar="S", help="time limit for the replay"
     )
+    p.add_argument(
+        "--block-manager",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="replay under this block manager instead of the recorded one",
+    )
+    p.add_argument(
+        "--tp-mode",
+        choices=("simulated", "distributed"),
+        default=None,
+        help="replay with these ranks instead of the recorded ones",
+    )
+    p.add_argument("--world-size", type=int, default=None, help="ranks (with --tp-mode)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
 def main(args) -> int:
-    out = replay(args.run_dir, args.device, args.timeout)
+    overrides = {
+        "block_manager_spec": args.block_manager,
+        "tp_mode": args.tp_mode,
+        "world_size": args.world_size,
+    }
+    out = replay(args.run_dir, args.device, args.timeout, overrides)
     print(json.dumps(out, indent=1, default=str) if args.json else describe(out))
     return 0 if out["identical"] else EXIT_DIFFERENT

@@ -203,11 +203,11 @@ class _Ctx:
         self.sc, self.best_steps = sc, best_steps
 
 
-def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float) -> dict:
+def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float, setup: dict) -> dict:
     from kvchaos.harness.judge.runner import run_scenario
     from kvchaos.harness.tools.fingerprint import fingerprints
 
-    r = run_scenario(sc, seed, device, None, timeout_s=timeout_s)
+    r = run_scenario(sc, seed, device, None, timeout_s=timeout_s, **setup)
     fps = fingerprints(r.results, data.get("faults", []))
     return {
         "verdict": r.verdict,
@@ -242,9 +242,11 @@ def shrink(
     max_runs: int,
     timeout_s: float,
     log: Callable[[str], None] = lambda s: None,
+    setup: dict | None = None,
 ) -> tuple[dict, dict, int]:
     """(minimal scenario dict, its outcome, runs used). target: the outcome to keep; first: the
-    outcome of re-running data as it is (one run, counted)."""
+    outcome of re-running data as it is (one run, counted). setup: the recorded block manager
+    and ranks (run_scenario keywords)."""
     from kvchaos.harness.judge.scenario import ScenarioError, parse_scenario
 
     best, best_out, runs = copy.deepcopy(data), first, 1
@@ -268,7 +270,7 @@ def shrink(
                         continue
                     if runs >= max_runs:
                         break
-                    out = _outcome(sc, cand, seed, device, timeout_s)
+                    out = _outcome(sc, cand, seed, device, timeout_s, setup or {})
                     runs += 1
                     if _matches(target, out) and _smaller_run(out, key, best_out, best):
                         best, best_out, accepted = cand, out, True
@@ -286,6 +288,16 @@ def _ident(text: str) -> str:
     return re.sub(r"\W+", "_", text).strip("_").lower() or "scenario"
 
 
+def _setup_args(setup: dict | None) -> str:
+    """The recorded block manager and real ranks as kvchaos_run keywords (the reference manager
+    and simulated ranks are the defaults)."""
+    setup = setup or {}
+    keep = {"block_manager_spec": setup.get("block_manager_spec")}
+    if setup.get("tp_mode") == "distributed":
+        keep.update(tp_mode="distributed", world_size=setup.get("world_size"))
+    return "".join(f", {k}={v!r}" for k, v in keep.items() if v)
+
+
 def regression_test(
     name: str,
     seed: int,
@@ -294,6 +306,7 @@ def regression_test(
     before: dict,
     after: dict,
     expect_detect: bool,
+    setup: dict | None = None,
 ) -> str:
     primary = target["fps"][0] if target["fps"] else None
     finding = ""
@@ -324,13 +337,20 @@ SCENARIO = Path(__file__).with_name("scenario.toml")
 
 
 def test_{_ident(name)}_seed{seed}(kvchaos_run):
-    r = kvchaos_run(SCENARIO, seed={seed})
+    r = kvchaos_run(SCENARIO, seed={seed}{_setup_args(setup)})
     assert r.verdict == "PASS", f"{{r.verdict}}: {{r.summary}}"{finding}
 '''
 
 
 def write_outputs(
-    run_dir: Path, data: dict, seed: int, target: dict, before: dict, after: dict, runs: int
+    run_dir: Path,
+    data: dict,
+    seed: int,
+    target: dict,
+    before: dict,
+    after: dict,
+    runs: int,
+    setup: dict | None = None,
 ) -> dict:
     from kvchaos.harness.judge.toml_writer import dumps
 
@@ -361,6 +381,7 @@ def write_outputs(
             before,
             after,
             data.get("expect", {}).get("outcome") == "detect",
+            setup,
         ),
         encoding="utf-8",
     )
@@ -423,7 +444,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     from kvchaos.harness.tools.fingerprint import fingerprints
-    from kvchaos.harness.tools.replay import load_run
+    from kvchaos.harness.tools.replay import load_run, recorded_setup
 
     if args.max_runs < 1:
         raise ValueError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -432,12 +453,13 @@ def main(args) -> int:
     if "verdict" not in results:
         raise ValueError(f"{run_dir / 'results.json'}: no verdict: not a finished kvchaos run")
     seed, device = results["seed"], args.device or results["device"]
+    setup = recorded_setup(run_dir, results)
     target = {
         "verdict": results["verdict"],
         "fps": [tuple(x["fp"]) for x in fingerprints(results, data.get("faults", []))],
     }
     t0 = time.perf_counter()
-    first = _outcome(sc, data, seed, device, args.timeout)
+    first = _outcome(sc, data, seed, device, args.timeout, setup)
     if not _matches(target, first):
         print(
             f"the run does not reproduce: recorded {target['verdict']} ({_fp(target)}), "
@@ -447,7 +469,9 @@ def main(args) -> int:
     timeout = args.timeout or max(30.0, 10 * (time.perf_counter() - t0))
     before = {"requests": first["requests"], "steps": first["steps"]}
     print(f"shrinking {sc.name} seed {seed} on {device}: {target['verdict']}, {_fp(target)}")
-    best, after, runs = shrink(data, seed, device, target, first, args.max_runs, timeout, print)
+    best, after, runs = shrink(
+        data, seed, device, target, first, args.max_runs, timeout, print, setup
+    )
     minimal = write_outputs(
         run_dir,
         best,
@@ -456,6 +480,7 @@ def main(args) -> int:
         before,
         {"requests": after["requests"], "steps": after["steps"]},
         runs,
+        setup,
     )
     _update_results(run_dir, results, minimal)
     print(f"before: {before['requests']} requests, {before['steps']} steps")
