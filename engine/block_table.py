@@ -16,7 +16,15 @@ UNUSED = -1
 
 
 class BlockTable:
-    __slots__ = ("rows", "width", "host", "host_tensor", "bound_check", "overflow_writes")
+    __slots__ = (
+        "rows",
+        "width",
+        "host",
+        "host_tensor",
+        "bound_check",
+        "overflow_writes",
+        "overflow_log",
+    )
 
     def __init__(self, rows: int, width: int) -> None:
         self.rows, self.width = rows, width
@@ -24,12 +32,14 @@ class BlockTable:
         self.host_tensor = torch.frombuffer(self.host, dtype=torch.int32)  # zero-copy view
         self.bound_check = True
         self.overflow_writes = 0  # writes that crossed into another row (only possible unchecked)
+        self.overflow_log: list[tuple[int, int, int]] = []  # (row, index, block) of each
 
     def write(self, row: int, index: int, block: int) -> None:
         if index >= self.width:
             if self.bound_check:
                 raise TableOverflow(f"block-table row {row}: index {index} >= width {self.width}")
             self.overflow_writes += 1
+            self.overflow_log.append((row, index, block))
             if row * self.width + index >= len(self.host):
                 return  # past the whole buffer: a raw kernel would scribble on whatever lies beyond
         self.host[row * self.width + index] = block

@@ -38,6 +38,9 @@ class Link(VirtualRank):
         super().__init__(index, device)
         self.outbox, self.last = outbox, None
 
+    def content(self) -> torch.Tensor:
+        return self.table if self.last is None else self.last
+
     def apply(self, version: int, table: torch.Tensor) -> None:
         same = self.last is not None and torch.equal(self.last, table)
         if not same:

@@ -24,11 +24,13 @@ from kvchaos.engine.attention import (
     write_kv,
 )
 from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
-from kvchaos.engine.errors import InvalidRequest, RequestRejected
+from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
 from kvchaos.engine.model import Model
 from kvchaos.engine.protocols import BlockManagerProtocol
 from kvchaos.engine.ranks import RankGroup
+from kvchaos.engine.reserve import reserve
 from kvchaos.engine.seams import Seams
 from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
 from kvchaos.engine.staging import StagingBuffer
@@ -50,16 +52,17 @@ class Engine:
         mc, cc = config.model, config.cache
         self.device = torch.device(config.device)
         self.model = Model(mc, config.seed, self.device)
-        self.bm = (
+        manager = (
             block_manager
             if block_manager is not None
             else BlockManager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
         )
-        if not isinstance(self.bm, BlockManagerProtocol):
+        if not isinstance(manager, BlockManagerProtocol):
             raise TypeError(
-                f"{type(self.bm).__name__} does not implement "
+                f"{type(manager).__name__} does not implement "
                 "kvchaos.engine.protocols.BlockManagerProtocol"
             )
+        self.bm = Boundary(manager)  # every call into the manager recorded and guarded
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = _decode_backend(config.resolved_backend())
@@ -97,6 +100,11 @@ class Engine:
             "cow_copies": 0,
             "stale_rank_computes": 0,
             "rank_sync_waits": 0,
+            "overlong_requests": 0,  # longer than a table row: the overflow trigger reached us
+            "overlong_rejected": 0,
+            "table_resizes": 0,
+            "refusals": 0,  # OutOfBlocks answers of the manager (admission, growth, fork)
+            "refusals_with_room": 0,  # ... while its own counts said the blocks were free
         }
 
     # -- requests ------------------------------------------------------------------------
@@ -136,10 +144,14 @@ class Engine:
             raise RequestRejected(
                 f"request {request_id!r}: needs {blocks} blocks, the pool has {self.bm.num_blocks}"
             )
+        if blocks > table.width:
+            self.counters["overlong_requests"] += 1
         if blocks > table.width and self.seams.admission_check:
             if self.config.cache.overflow_policy == "resize":
                 self.bm.resize_table(width=blocks)
+                self.counters["table_resizes"] += 1
             else:
+                self.counters["overlong_rejected"] += 1
                 raise RequestRejected(
                     f"request {request_id!r}: {total} tokens need {blocks} blocks, a table row "
                     f"holds {table.width} (max {table.width * bs} tokens per sequence)"
@@ -174,9 +186,12 @@ class Engine:
             child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id
         )
         if parent.state is State.RUNNING and self.bm.num_free_rows > 0:
-            self.bm.fork(parent_id, child_id)
-            child.state, child.num_computed = State.RUNNING, parent.num_computed
-            self.running.append(child)
+            try:
+                self.bm.fork(parent_id, child_id)
+                child.state, child.num_computed = State.RUNNING, parent.num_computed
+                self.running.append(child)
+            except OutOfBlocks:  # no room to share: the child computes its tokens itself
+                self.refused("fork", child_id, 0)
         if child.state is State.WAITING:
             self.waiting.append(child)
         self.seqs[child_id] = child
@@ -196,6 +211,16 @@ class Engine:
             self.waiting.remove(seq)
         seq.state = State.CANCELLED
         return True
+
+    def refused(self, call: str, seq_id: str, tokens: int) -> None:
+        """Count a refusal ("no room"): the manager's answer, which the scheduler works around."""
+        free, needed = self.bm.num_free_blocks, self.bm.blocks_needed(seq_id, tokens)
+        self.counters["refusals"] += 1
+        self.counters["refusals_with_room"] += free >= needed
+        self.seams.on_event(
+            "refusal",
+            {"call": call, "seq": seq_id, "tokens": tokens, "free": free, "needed": needed},
+        )
 
     def _release(self, seq: Sequence, reason: str) -> None:
         """Every exit path of a sequence that holds blocks comes through here."""
@@ -267,13 +292,10 @@ class Engine:
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
-            copies = (
-                self.bm.append_decode([s.id for s in decode])
-                if hasattr(self.bm, "append_decode")
-                else [c for s in decode for c in self.bm.append(s.id, 1)]
-            )
-            for s, n in prefill:
-                copies += self.bm.append(s.id, n)
+            decode, prefill, copies = reserve(self, decode, prefill, preempted)
+            if not decode and not prefill:  # every reservation refused: nothing runs this step
+                stats = self._stats(t0, c0, t0, t0, [], [], preempted, [], computed=False)
+                return StepOutput(stats, {}, {}, [])
             if copies:
                 self._copy_blocks(copies)
             stale = self._upload_table()
@@ -341,6 +363,7 @@ class Engine:
             stale_ranks=stale,
             rank_table_crcs=crcs,
             table_crc=table_crc,
+            stale_tables=self._stale_tables if computed and stale else [],
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -372,9 +395,15 @@ class Engine:
             self._table_crc = zlib.crc32(memoryview(self.bm.table.host))
         else:
             self._crcs, self._table_crc = [], 0
-        stale = [r.index for r in self.ranks.ranks if r.version != self.table_version]
+        stale = [r for r in self.ranks.ranks if r.version != self.table_version]
         self.counters["stale_rank_computes"] += len(stale)
-        return stale
+        # the engine's own record of a stale read that matters: an old table with other content
+        self._stale_tables = [
+            r.index
+            for r in stale
+            if r.content().shape != staged.shape or not torch.equal(r.content(), staged)
+        ]
+        return [r.index for r in stale]
 
     def _batch_inputs(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
         """Each sequence's table row, and the step's token ids and positions (decode first)."""

@@ -26,6 +26,10 @@ class VirtualRank:
             self.table = table.to(self.device, copy=True)
         self.version = version
 
+    def content(self) -> torch.Tensor:
+        """The table this rank computes with."""
+        return self.table
+
     def crc(self) -> int:
         return zlib.crc32(self.table.cpu().numpy().tobytes())
 

@@ -59,6 +59,7 @@ class StepStats:
     preempted: list[str] = field(default_factory=list)
     table_version: int = 0
     stale_ranks: list[int] = field(default_factory=list)  # ranks that computed on an old table
+    stale_tables: list[int] = field(default_factory=list)  # ... whose content was not the new one
     rank_table_crcs: list[int] = field(default_factory=list)  # per rank, when tp_size > 1
     table_crc: int = 0
     prep_s: float = (

@@ -145,6 +145,10 @@ class Fault:
         self.rng = random.Random(f"{seed}/fault/{self.name}")
         self.emit: Callable[..., None] = lambda kind, detail, step=None: None
         self.fired_steps: list[int] = []
+        # Ground truth, from what the fault injected and what the engine did (never a checker):
+        self.triggered: list[int] = []  # steps at which the trigger was pulled
+        self.remediated = 0  # times the engine's remediation acted
+        self.touched: dict[str, set] = {"requests": set(), "rows": set(), "blocks": set()}
 
     def shape(self, plan, engine_config) -> None:
         """Add the trigger's requests and cancels to the workload plan."""
@@ -166,13 +170,37 @@ class Fault:
         self.fired_steps.append(step)
         self.emit("fired", detail, step)
 
+    def trigger(self, step: int, detail: dict | None = None) -> None:
+        """The trigger was pulled (with or without the defect planted)."""
+        self.triggered.append(step)
+        if detail is not None:
+            self.emit("trigger", detail, step)
+
+    def touch(self, requests=(), rows=(), blocks=()) -> None:
+        self.touched["requests"].update(requests)
+        self.touched["rows"].update(rows)
+        self.touched["blocks"].update(blocks)
+
     def verify(self) -> dict:
-        """Evidence, from counters, that the planted defect really fired."""
+        """Ground truth, from counters: did the trigger fire, did the planted defect fire (and
+        when, how often), did the remediation act, and what the defect touched."""
         return {
             "fired": bool(self.fired_steps),
             "first_step": self.fired_steps[0] if self.fired_steps else None,
             "times": len(self.fired_steps),
+            "triggered": len(self.triggered),
+            "first_triggered": self.triggered[0] if self.triggered else None,
+            "remediated": self.remediated,
+            "touched": {k: sorted(v) for k, v in self.touched.items()},
         }
+
+    @classmethod
+    def explains(cls, finding: dict, truth: dict) -> str | None:
+        """How this fault, having fired with the ground truth `truth` (its verify()), explains a
+        finding (a Finding as a dict): "cause" (what the defect touched, at or after it fired),
+        "consequence" (a declared, computable knock-on effect; never counts as the catch), or
+        None. Pure: a stored run is re-judged from its history alone."""
+        return None
 
     def describe(self) -> dict:
         return {

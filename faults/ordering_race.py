@@ -47,21 +47,41 @@ class OrderingRace(Fault):
 
         def rank_delay(rank: int, step: int) -> int:
             if rank == p["lag_rank"] and step >= p["from_step"] and rng.random() < p["probability"]:
-                emit("trigger", {"rank": rank, "late_by_steps": p["lag_steps"], "at": step})
+                self.trigger(step, {"rank": rank, "late_by_steps": p["lag_steps"], "at": step})
                 return p["lag_steps"]
             return 0
 
         engine.seams.rank_delay = rank_delay
         self.stale_reads = 0
+        self.stale: list[dict] = []
+        self._waits = engine.counters["rank_sync_waits"]
 
     def after_step(self, engine, step, output) -> None:
-        st = output.stats
-        diff = [r for r, c in enumerate(st.rank_table_crcs) if c != st.table_crc]
-        if (
-            diff
-        ):  # a rank computed on a table that differs from the scheduler's: a stale read served
+        waits = engine.counters["rank_sync_waits"]
+        self.remediated += waits - self._waits  # updates in flight waited for before computing
+        self._waits = waits
+        # The engine's own record: ranks that computed on an old table with other content.
+        ranks = output.stats.stale_tables
+        if ranks:
+            live = sorted({s.id for s in engine.running} | set(output.finished))
             self.stale_reads += 1
-            self.fired(step, {"ranks": diff, "table_version": st.table_version})
+            self.stale.append({"step": step, "ranks": ranks, "requests": live})
+            self.touch(requests=live)
+            self.fired(step, {"ranks": ranks, "table_version": output.stats.table_version})
 
     def verify(self) -> dict:
-        return {**super().verify(), "stale_reads_served": self.stale_reads}
+        return {**super().verify(), "stale_reads_served": self.stale_reads, "stale": self.stale}
+
+    @classmethod
+    def explains(cls, finding: dict, truth: dict) -> str | None:
+        stale = truth.get("stale") or []
+        if not stale or finding["step"] < stale[0]["step"]:
+            return None
+        ev = finding.get("evidence", {})
+        if finding["checker"] == "cross_rank":
+            at = {x["step"]: set(x["ranks"]) for x in stale}
+            return "cause" if at.get(finding["step"], set()) & set(ev.get("ranks", [])) else None
+        if finding["checker"] == "oracle_divergence":
+            live = {r for x in stale for r in x["requests"]}
+            return "cause" if ev.get("req") in live else None
+        return None

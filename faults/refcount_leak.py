@@ -54,21 +54,27 @@ class RefcountLeak(Fault):
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
         self.leaked: list[dict] = []
-        if not self.defect:
-            return
         bm, paths, frac, rng = engine.bm, set(self.p["paths"]), self.p["fraction"], self.rng
 
         def free_on_exit(seq, reason: str) -> bool:
+            """The trigger is a cancel on one of the paths of a request holding blocks; with the
+            defect planted, that cancel skips the free; else the free happens (remediation)."""
             if reason != "cancel":
                 return True
             snap = bm.snapshot()  # once per cancel: the protocol's only view of ref counts
             blocks = snap.seq_blocks.get(seq.id, [])
             shared = any(snap.ref_counts[b] > 1 for b in blocks)
             path = "shared" if shared else seq.phase
-            if path in paths and blocks and rng.random() < frac:
-                self.leaked.append({"req": seq.id, "path": path, "blocks": blocks})
-                self.fired(engine.step_count + 1, {"req": seq.id, "path": path, "blocks": blocks})
+            if path not in paths or not blocks:
+                return True
+            step = engine.step_count + 1
+            self.trigger(step)
+            if self.defect and rng.random() < frac:
+                self.leaked.append({"req": seq.id, "path": path, "blocks": blocks, "step": step})
+                self.touch(requests=[seq.id], blocks=blocks)
+                self.fired(step, {"req": seq.id, "path": path, "blocks": blocks})
                 return False
+            self.remediated += 1
             return True
 
         engine.seams.free_on_exit = free_on_exit
@@ -80,3 +86,26 @@ class RefcountLeak(Fault):
             "leaked_blocks": sum(len(x["blocks"]) for x in self.leaked),
             "leaks": self.leaked,
         }
+
+    @classmethod
+    def explains(cls, finding: dict, truth: dict) -> str | None:
+        s, ev, kind = finding["step"], finding.get("evidence", {}), finding.get("kind")
+        leaks = [x for x in truth.get("leaks", []) if x.get("step", 0) <= s]
+        if not leaks:
+            return None
+        reqs = {x["req"] for x in leaks}
+        blocks = {b for x in leaks for b in x["blocks"]}
+        if kind == "leak":
+            return "cause" if ev.get("req") in reqs else None
+        if kind in ("refcount", "free_referenced", "conservation"):
+            named = set(ev.get("blocks") or [])
+            return "cause" if named and named <= blocks else None
+        if kind == "end_leak":
+            missing = ev.get("total", 0) - ev.get("free", 0)
+            return "cause" if 0 < missing <= len(blocks) else None
+        if kind in ("starvation", "unfinished"):
+            # only while the leak shrinks the usable pool below what the queue needs to move
+            need, pool = ev.get("blocked_need"), ev.get("num_blocks")
+            ok = need is not None and pool is not None and pool - len(blocks) < need <= pool
+            return "consequence" if ok else None
+        return None

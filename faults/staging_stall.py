@@ -71,18 +71,24 @@ class StagingStall(Fault):
         self.faults_charged = 0
         self.seconds_charged = 0.0
         self._step = 0
+        self._reallocs = engine.counters["staging_reallocs"]
 
     def before_step(self, engine, step) -> None:
         self._step = step
         if step == self.p["at_step"]:
             engine.staging = InvalidatedStaging(engine.staging.tensor.numel(), self)
-            self.emit(
-                "trigger",
+            self.trigger(
+                step,
                 {
                     "what": "staging buffer invalidated (as after a fork)",
                     "pages": engine.staging.pages,
                 },
             )
+
+    def after_step(self, engine, step, output) -> None:
+        n = engine.counters["staging_reallocs"]
+        self.remediated += n - self._reallocs  # the engine noticed and re-allocated
+        self._reallocs = n
 
     def charged(self, pages: int, seconds: float) -> None:
         self.faults_charged += pages
@@ -91,6 +97,13 @@ class StagingStall(Fault):
             self.fired_steps.append(self._step)
             if len(self.fired_steps) == 1:
                 self.emit("fired", {"pages_faulted": pages}, self._step)
+
+    @classmethod
+    def explains(cls, finding: dict, truth: dict) -> str | None:
+        first = truth.get("first_step")
+        if first is not None and finding["checker"] == "latency" and finding["step"] >= first:
+            return "cause"  # every step after the invalidation pays: no request is singled out
+        return None
 
     def verify(self) -> dict:
         return {

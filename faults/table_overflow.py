@@ -7,6 +7,8 @@ from __future__ import annotations
 from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num
 from kvchaos.faults.plan import Action
 
+REMEDIES = ("overlong_rejected", "table_resizes")  # the engine's answers to an over-long request
+
 
 class TableOverflow(Fault):
     name = "table_overflow"
@@ -85,15 +87,68 @@ class TableOverflow(Fault):
         if self.defect:
             engine.seams.admission_check = False
             engine.bm.table.bound_check = False
-        self._seen = engine.bm.table.overflow_writes
+        self._seen = self._looked = engine.bm.table.overflow_writes
+        self.overflowing: dict[str, int] = {}  # request -> its row, for requests that overflowed
+        self._counts = {k: engine.counters[k] for k in ("overlong_requests", *REMEDIES)}
+        upload = engine.seams.on_upload
+
+        def look() -> None:  # mid-step, after the appends: every row still has its owner
+            self._who(engine)
+            upload()
+
+        engine.seams.on_upload = look
+
+    def _who(self, engine) -> None:
+        """What the unchecked writes touched: the rows written into, the blocks they name, and
+        every request that has held one of those rows or blocks since (a spilled entry stays in
+        the row for its next owner, and sends that owner's writes into the named block, whoever
+        holds it by then)."""
+        table = engine.bm.table
+        n = table.overflow_writes
+        new = table.overflow_log[self._looked : n]
+        self._looked = n
+        rows = {r for r, _, _ in new} | {r + i // table.width for r, i, _ in new}
+        self.touch(rows=rows, blocks={b for _, _, b in new})
+        if not self.touched["rows"]:
+            return
+        snap, w = engine.bm.snapshot(), table.width
+        owner = {row: req for req, row in snap.seq_rows.items()}
+        self.overflowing.update({owner[r]: r for r, _, _ in new if r in owner})
+        for req, row in self.overflowing.items():  # the entries it addresses past its row, today
+            if snap.seq_rows.get(req) == row:
+                spill = snap.table[row * w + w : row * w + len(snap.seq_blocks[req])]
+                # an unused entry (-1) addresses the pool's last block, as a raw kernel would
+                self.touch(blocks={b % snap.num_blocks for b in spill})
+        rows, blocks = self.touched["rows"], self.touched["blocks"]
+        self.touch(requests={req for req, row in snap.seq_rows.items() if row in rows})
+        self.touch(requests={req for req, bs in snap.seq_blocks.items() if blocks & set(bs)})
 
     def after_step(self, engine, step, output) -> None:
-        n = engine.bm.table.overflow_writes
+        c = engine.counters
+        for _ in range(c["overlong_requests"] - self._counts["overlong_requests"]):
+            self.trigger(step)  # a request longer than a row reached admission
+        self.remediated += sum(c[k] - self._counts[k] for k in REMEDIES)
+        self._counts = {k: c[k] for k in self._counts}
+        table = engine.bm.table
+        n = table.overflow_writes
         if n > self._seen:
-            self.fired(
-                step, {"overflow_writes": n - self._seen, "table_width": engine.bm.table.width}
-            )
+            self._who(engine)  # a step that uploaded nothing
+            self.fired(step, {"overflow_writes": n - self._seen, "table_width": table.width})
             self._seen = n
 
     def verify(self) -> dict:
         return {**super().verify(), "overflow_writes": self._seen}
+
+    @classmethod
+    def explains(cls, finding: dict, truth: dict) -> str | None:
+        if truth.get("first_step") is None or finding["step"] < truth["first_step"]:
+            return None
+        reqs, rows = set(truth["touched"]["requests"]), set(truth["touched"]["rows"])
+        ev = finding.get("evidence", {})
+        if finding["checker"] == "table_integrity" and (
+            ev.get("req") in reqs or ev.get("owner") in reqs or ev.get("row") in rows
+        ):
+            return "cause"
+        if finding["checker"] == "oracle_divergence" and ev.get("req") in reqs:
+            return "cause"
+        return None

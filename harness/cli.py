@@ -1,17 +1,23 @@
-"""kvchaos command line: list and run scenarios, and the tools around them."""
+"""kvchaos command line: list and run scenarios, and the tools around them.
+
+On a terminal `run` shows a progress bar and a table; in a log or a pipe (CI) it prints one plain
+line per run and tables at full width, and `--format json` prints one JSON document instead."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
+from kvchaos import __version__
 from kvchaos.engine.errors import KVChaosError
-from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, PASS, worst
+from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
 
-EXIT_USAGE = 2
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 # Subcommands that live in their own modules; each has add_arguments(parser) and main(args) -> int.
 TOOLS = {
     "bench": (
@@ -34,13 +40,65 @@ TOOLS = {
     ),
 }
 
+# Exit codes, per command: (code, name, meaning). The tools' own constants are checked against
+# this table by tests/test_cli.py, so the help cannot drift from what they return.
+_VERDICTS = [(c, v, MEANING[v]) for v, c in EXIT_CODES.items()]
+EXITS = {
+    "list": [(0, "listed", "")],
+    "run": _VERDICTS,
+    "analyze": _VERDICTS,
+    "replay": [(0, "identical", ""), (1, "different", "the history differs from the recorded one")],
+    "shrink": [
+        (0, "shrunk", "a smaller scenario and its test written (or it was already minimal)"),
+        (1, "not reproduced", "the re-run does not show the recorded verdict"),
+    ],
+    "soak": [
+        (0, "nothing unexpected", "only PASS and INCONCLUSIVE runs"),
+        (10, "MISSED", ""),
+        (11, "FAIL", ""),
+        (14, "nondeterminism", "a replayed run's history differed from the original"),
+        (13, "ERROR", ""),
+        (15, "disk cap", "stopped at --max-disk before the budget was spent"),
+    ],
+    "gpu-check": [
+        (0, "ok", "every stage ok"),
+        (1, "failed", "a stage failed, errored or timed out"),
+        (3, "no CUDA", "no CUDA device"),
+        (4, "incomplete", "nothing failed, but a stage could not run (missing package, budget)"),
+    ],
+    "bench": [(0, "measured", "targets are reported, never asserted")],
+}
+EXIT_NOTES = {
+    "run": "several runs exit with the most serious: " + " > ".join(SEVERITY),
+    "analyze": "the re-checked verdict of the stored run",
+    "soak": "the first that applies: MISSED, FAIL, nondeterminism, ERROR, disk cap",
+}
+COMMON_EXITS = [
+    (EXIT_USAGE, "bad input", "one line on stderr, nothing run"),
+    (EXIT_INTERRUPTED, "interrupted", "Ctrl-C; what was recorded is on disk"),
+]
 
-def _exit_help() -> str:
-    return (
-        "exit codes: "
-        + ", ".join(f"{v} {k}" for k, v in EXIT_CODES.items())
-        + f", {EXIT_USAGE} bad input"
-    )
+
+def exit_epilog(command: str) -> str:
+    """One command's exit codes, for its --help."""
+    lines = ["exit codes:"]
+    for code, name, meaning in EXITS.get(command, []) + COMMON_EXITS:  # a new tool: never a crash
+        lines.append(f"  {code:>3}  {name}" + (f": {meaning}" if meaning else ""))
+    if command in EXIT_NOTES:
+        lines.append(f"  ({EXIT_NOTES[command]})")
+    return "\n".join(lines)
+
+
+def main_epilog(commands) -> str:
+    """Every command's exit codes, for `kvchaos --help`."""
+    width = max(len(c) for c in commands)
+    lines = ["exit codes (each command's --help explains them):"]
+    for cmd in commands:
+        codes = ", ".join(f"{c} {n}" for c, n, _ in EXITS.get(cmd, [])) or "see its --help"
+        lines.append(f"  {cmd:<{width}}  {codes}")
+    common = ", ".join(f"{c} {n}" for c, n, _ in COMMON_EXITS)
+    lines.append(f"  {'all':<{width}}  {common}")
+    return "\n".join(lines)
 
 
 def parse_seeds(seed: int | None, seeds: str | None) -> list[int] | None:
@@ -71,11 +129,28 @@ def select_scenarios(names: list[str], tags: list[str] | None = None):
     return scs
 
 
-def cmd_list(args) -> int:
+WIDE = 10_000  # a log or a pipe has no width to fit: tables never truncate a name there
+
+
+def _console():
     from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=WIDE)
+
+
+def _print_json(doc) -> None:
+    print(json.dumps(doc, indent=1, default=str), flush=True)
+
+
+def cmd_list(args) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     scs = select_scenarios(args.scenarios, args.tag)
+    if args.format == "json":
+        _print_json({"scenarios": [_scenario_doc(s) for s in scs]})
+        return 0
     t = Table(title="kvchaos scenarios")
     for col in ("name", "expect", "faults (defect planted?)", "markers", "seeds"):
         t.add_column(col)
@@ -89,13 +164,20 @@ def cmd_list(args) -> int:
             if s.expect.outcome == "detect"
             else ""
         )
-        t.add_row(s.name, exp, faults, " ".join(s.markers), ",".join(map(str, s.scenario.seeds)))
-    Console().print(t)
+        row = (s.name, exp, faults, " ".join(s.markers), ",".join(map(str, s.scenario.seeds)))
+        t.add_row(*map(escape, row))
+    _console().print(t)
     return 0
 
 
+def _scenario_doc(s) -> dict:
+    doc = {"name": s.name, "source": s.source, "expect": s.expect.model_dump()}
+    doc["faults"] = [{"name": f.name, "defect": f.defect} for f in s.faults]
+    return {**doc, "markers": list(s.markers), "seeds": list(s.scenario.seeds)}
+
+
 def cmd_run(args) -> int:
-    from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvchaos.engine.cluster import Cluster, external_launch
@@ -106,18 +188,21 @@ def cmd_run(args) -> int:
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
         return serve()  # under torchrun, ranks > 0 serve rank 0's runs
-    console = Console()
+    as_json = args.format == "json"
+    console = _console()
     seeds = parse_seeds(args.seed, args.seeds)
     scs = select_scenarios(args.scenarios, args.tag)
     if not scs:
         raise KVChaosError("no scenario matches")
     device = resolve_device(args.device)
-    if args.block_manager:
-        load_object(
-            args.block_manager
-        )  # a bad --block-manager is bad input (exit 2), not an ERROR per run
+    if args.block_manager:  # a bad --block-manager is bad input (exit 2), not an ERROR per run
+        load_object(args.block_manager)
     jobs = [(s, seed) for s in scs for seed in (seeds or s.scenario.seeds)]
-    results = []
+    report_dir = Path(args.report_dir)
+    # a bar on a terminal; in a log, one plain line per run (stderr under --format json)
+    live = console.is_terminal and not (as_json or args.quiet)
+    log = None if args.quiet else (sys.stderr if as_json else sys.stdout)
+    results, indexed = [], False
     try:
         with (
             Progress(
@@ -127,19 +212,20 @@ def cmd_run(args) -> int:
                 TimeElapsedColumn(),
                 console=console,
                 transient=True,
-                disable=args.quiet,
+                disable=not live,
             ) as progress,
             Cluster() as cluster,
         ):
             task = progress.add_task("running", total=len(jobs))
-            for sc, seed in jobs:
-                progress.update(task, description=f"{sc.name} seed {seed}")
+            for i, (sc, seed) in enumerate(jobs, 1):
+                progress.update(task, description=escape(f"{sc.name} seed {seed}"))
+                t0 = time.perf_counter()
                 r = publish(
                     run_scenario(
                         sc,
                         seed,
                         device=device,
-                        report_dir=Path(args.report_dir),
+                        report_dir=report_dir,
                         block_manager_spec=args.block_manager,
                         timeout_s=args.timeout,
                         tp_mode=args.tp_mode,
@@ -149,45 +235,94 @@ def cmd_run(args) -> int:
                     index=False,
                 )
                 results.append(r)
-                if (
-                    r.results.get("reason") == "interrupted"
-                ):  # Ctrl-C: stop here, the run's record is on disk
+                if live and r.verdict != PASS:
+                    progress.console.print(f"[red]{r.verdict}[/] {escape(_details(r))}")
+                elif log is not None and not live:
+                    line = f"[{i}/{len(jobs)}] {sc.name} seed {seed}: {r.verdict}"
+                    line += f" ({time.perf_counter() - t0:.1f} s)"
+                    print(line + ("" if r.verdict == PASS else f": {_details(r)}"), file=log)
+                    log.flush()  # CI shows each run as it ends
+                if r.results.get("reason") == "interrupted":  # Ctrl-C: its record is on disk
                     break
-                if r.verdict != PASS and not args.quiet:
-                    progress.console.print(
-                        f"[red]{r.verdict}[/] {sc.name} seed {seed}: {r.summary}\n"
-                        f"  replay: {r.results['replay']}  run: {r.run_dir}"
-                    )
                 progress.advance(task)
     finally:
         if results:  # once for the batch, whatever stopped it
             from kvchaos.harness.report.index import update_index
 
             try:
-                update_index(Path(args.report_dir), newest=results[-1].run_dir)
+                update_index(report_dir, newest=results[-1].run_dir)
+                indexed = True
             except Exception as e:  # the runs are on disk; only the listing is stale
-                console.print(
-                    f"[yellow]could not update {args.report_dir}/index.html: "
-                    f"{type(e).__name__}: {e}[/]"
+                print(
+                    f"kvchaos: could not update {report_dir / 'index.html'}: "
+                    f"{type(e).__name__}: {e}",
+                    file=sys.stderr,
                 )
-    _print_table(console, results, args.quiet)
-    if results[-1].results.get("reason") == "interrupted":
+    interrupted = results[-1].results.get("reason") == "interrupted"
+    code = EXIT_INTERRUPTED if interrupted else EXIT_CODES[worst([r.verdict for r in results])]
+    if as_json:
+        _print_json(_run_doc(results, report_dir, indexed, code, interrupted))
+    else:
+        _print_table(console, results)
+    if not (as_json and args.quiet):
+        print(_where(report_dir, results[-1], indexed), file=sys.stderr if as_json else sys.stdout)
+    if interrupted:
         raise KeyboardInterrupt
-    return EXIT_CODES[worst([r.verdict for r in results])]
+    return code
 
 
-def _print_table(console, results, quiet: bool) -> None:
+def _details(r) -> str:
+    """A run that is not PASS: what happened and how to see it again."""
+    return (
+        f"{r.scenario} seed {r.seed}: {r.summary}\n"
+        f"  replay: {r.results.get('replay')}  run: {r.run_dir}"
+    )
+
+
+def _where(report_dir: Path, newest, indexed: bool) -> str:
+    index = report_dir / "index.html" if indexed else "not updated"
+    return f"reports: {report_dir}  index: {index}  latest: {report_dir / 'latest'}" + (
+        f" -> {newest.run_dir.name}" if newest.run_dir else ""
+    )
+
+
+def _run_doc(results, report_dir: Path, indexed: bool, code: int, interrupted: bool) -> dict:
+    """--format json: the batch, one document (paths absolute: CI steps run elsewhere)."""
+    where = report_dir.absolute()
+    return {
+        "kvchaos": __version__,
+        "command": "run",
+        "verdict": worst([r.verdict for r in results]),
+        "exit_code": code,
+        "interrupted": interrupted,
+        "report_dir": str(where),
+        "index": str(where / "index.html") if indexed else None,
+        "latest": str(where / "latest"),
+        "runs": [
+            {
+                "scenario": r.scenario,
+                "seed": r.seed,
+                "verdict": r.verdict,
+                "exit_code": EXIT_CODES[r.verdict],
+                "summary": r.summary,
+                "run_dir": str(r.run_dir.absolute()) if r.run_dir else None,
+                "replay": r.results.get("replay"),
+                "steps": r.results.get("steps"),
+                "time_to_detect_steps": r.results.get("time_to_detect_steps", {}),
+                "wall_s": r.results.get("wall_s"),
+            }
+            for r in results
+        ],
+    }
+
+
+def _print_table(console, results) -> None:
     from collections import defaultdict
 
+    from rich.markup import escape
     from rich.table import Table
 
-    colour = {
-        "PASS": "green",
-        "MISSED": "red",
-        "FAIL": "red",
-        "ERROR": "red",
-        "INCONCLUSIVE": "yellow",
-    }
+    colour = {"PASS": "green", "INCONCLUSIVE": "yellow"}
     by_sc = defaultdict(list)
     for r in results:
         by_sc[r.scenario].append(r)
@@ -201,30 +336,51 @@ def _print_table(console, results, quiet: bool) -> None:
         ttd = sorted(v for r in rs for v in r.results.get("time_to_detect_steps", {}).values())
         steps = sorted(r.results.get("steps", 0) for r in rs)
         t.add_row(
-            name,
+            escape(name),
             str(len(rs)),
-            " ".join(f"[{colour[k]}]{k} {v}/{len(rs)}[/]" for k, v in counts.items()),
+            " ".join(f"[{colour.get(k, 'red')}]{k} {v}/{len(rs)}[/]" for k, v in counts.items()),
             str(ttd[len(ttd) // 2]) if ttd else "-",
             str(steps[len(steps) // 2]),
         )
     console.print(t)
     w = worst([r.verdict for r in results])
-    console.print(f"overall: [{colour[w]}]{w}[/] ({MEANING[w]})")
+    console.print(f"overall: [{colour.get(w, 'red')}]{w}[/] ({MEANING[w]})")
+
+
+def _subparser(sub, name: str, help_: str, description: str):
+    return sub.add_parser(
+        name,
+        help=help_,
+        description=description,
+        epilog=exit_epilog(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvchaos",
-        description="Chaos and fault-injection harness for paged-KV-cache "
-        "inference engines: provokes block-table overflow, ref-count leaks on cancel, "
-        "staging-buffer stalls and cross-rank ordering races, checks every output against "
-        "a contiguous-cache oracle and structural invariants, and writes incident reports.",
-        epilog=_exit_help(),
+        description="Chaos and fault-injection harness for paged-KV-cache inference engines:\n"
+        "provokes block-table overflow, ref-count leaks on cancel, staging-buffer stalls and\n"
+        "cross-rank ordering races, checks every output against a contiguous-cache oracle and\n"
+        "structural invariants, and writes incident reports.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"kvchaos {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    fmt = dict(
+        choices=("text", "json"),
+        default="text",
+        help="text: a table (full width in a log or a pipe); json: one JSON document on stdout",
+    )
 
-    ls = sub.add_parser("list", help="list scenarios with their tags and expectation")
+    ls = _subparser(
+        sub,
+        "list",
+        "list scenarios with their tags and expectation",
+        "List scenarios: expectation, faults (planted or trigger only), markers and seeds.",
+    )
     ls.add_argument(
         "scenarios",
         nargs="*",
@@ -234,14 +390,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument(
         "--tag", action="append", help="only scenarios with this tag or marker (repeatable)"
     )
+    ls.add_argument("--format", **fmt)
     ls.set_defaults(func=cmd_list)
 
-    run = sub.add_parser(
+    run = _subparser(
+        sub,
         "run",
-        help="run scenarios and print a table of verdicts",
-        epilog=_exit_help(),
-        description="Run each scenario with each seed: engine + workload + faults -> history -> "
-        "checkers -> verdict. Each run writes a folder under --report-dir.",
+        "run scenarios and print a table of verdicts",
+        "Run each scenario with each seed: engine + workload + faults -> history -> checkers ->\n"
+        "verdict. Each run writes a folder under --report-dir; at the end the batch rebuilds\n"
+        "REPORT_DIR/index.html, points REPORT_DIR/latest at its newest run and says where.\n"
+        "On a terminal: a progress bar. In a log or a pipe: one line per run (scenario, seed,\n"
+        "verdict, time). --format json: one JSON document on stdout (the runs: scenario, seed,\n"
+        "verdict, summary, run_dir, replay, exit_code; and the batch's exit_code), progress\n"
+        "lines on stderr.",
     )
     run.add_argument(
         "scenarios",
@@ -277,9 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--tp-mode",
         choices=["simulated", "distributed"],
-        help="tensor-parallel ranks in this process, or real torch.distributed processes "
-        "(gloo on the "
-        "CPU, NCCL on GPUs; or launch under torchrun) (default: the scenario's engine.tp_mode)",
+        help="tensor-parallel ranks in this process, or real torch.distributed processes (gloo "
+        "on the CPU, NCCL on GPUs; or launch under torchrun) (default: the scenario's tp_mode)",
     )
     run.add_argument(
         "--world-size",
@@ -287,7 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tensor-parallel ranks (overrides engine.tp_size)",
     )
-    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, only the table")
+    run.add_argument("--format", **fmt)
+    run.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress (bar or lines), only the results"
+    )
     run.set_defaults(func=cmd_run)
 
     for name, (module, help_) in TOOLS.items():
@@ -297,14 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != module:
                 raise
             continue
-        sp = sub.add_parser(
-            name,
-            help=help_,
-            description=(mod.__doc__ or help_).strip(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+        sp = _subparser(sub, name, help_, (mod.__doc__ or help_).strip())
         mod.add_arguments(sp)
+        sp.epilog = exit_epilog(name)  # one table for every command's exit codes
         sp.set_defaults(func=mod.main)
+    p.epilog = main_epilog(list(sub.choices))
     return p
 
 
@@ -320,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvchaos: interrupted; what was recorded is on disk", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

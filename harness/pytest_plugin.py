@@ -7,12 +7,20 @@
 Fixtures for hand-written tests: `kvchaos_run` (run a scenario, a file or a dict, with the command
 line's options) and `kvchaos_engine` (an Engine built on the configured block manager).
 
+Where runs go: scenario items keep their run folders under --kvchaos-report-dir, else reports/ in
+pytest's rootdir (beside .pytest_cache: the project, or the invocation folder when there is no
+config file), as `kvchaos run` does; the session ends by rebuilding its index.html and latest.
+kvchaos_run, called by a hand-written test, writes into that test's tmp_path unless
+--kvchaos-report-dir is given: such tests run on every `pytest`, as unit tests do, and should not
+fill the project's reports/.
+
 pytest loads this plugin in every session of an environment where kvchaos is installed: it
 imports nothing heavy (no torch, no pydantic) until a scenario file is collected or a kvchaos
 option is used."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -48,7 +56,8 @@ def pytest_addoption(parser) -> None:
     g.addoption(
         "--kvchaos-report-dir",
         default=None,
-        help="keep each run's folder here (default: a temporary folder per session)",
+        help="keep each run's folder here (default: reports/ in the rootdir; kvchaos_run: the "
+        "test's tmp_path)",
     )
     g.addoption(
         "--kvchaos-block-manager",
@@ -73,33 +82,47 @@ def pytest_configure(config) -> None:
 
 
 def _report_dir(config) -> Path:
+    """Where scenario items keep their runs: never pytest's temporary folders, which it deletes."""
     d = config.getoption("--kvchaos-report-dir")
-    if d:
-        return Path(d)
-    if not hasattr(config, "_kvchaos_tmp"):
-        config._kvchaos_tmp = (
-            config._tmp_path_factory.mktemp("kvchaos")
-            if hasattr(config, "_tmp_path_factory")
-            else Path(__import__("tempfile").mkdtemp(prefix="kvchaos-"))
-        )
-    return config._kvchaos_tmp
+    if d:  # relative to where pytest was started, like any path on its command line
+        return Path(os.path.abspath(config.invocation_params.dir / d))
+    return config.rootpath / "reports"
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """Run folders hold each run's resolved scenario.toml: never collect them as new scenarios."""
+    run_folder = all((collection_path / f).is_file() for f in ("history.jsonl", "results.json"))
+    if run_folder or collection_path == _report_dir(config):
+        return True
+    return None  # not False: leave --ignore, collect_ignore and the rest to decide
 
 
 def pytest_sessionfinish(session) -> None:
-    newest = getattr(session.config, "_kvchaos_newest", None)
-    if newest is not None:  # the report index, once for the session's scenario runs
+    cfg = session.config
+    runs = getattr(cfg, "_kvchaos_runs", [])
+    if runs:  # the report index, once for the session's scenario runs
         from kvchaos.harness.report.index import update_index
 
         try:
-            update_index(newest.parent, newest=newest)
-        except (
-            Exception
-        ) as e:  # the runs and their reports are written: a stale listing fails no test
-            session.config.get_terminal_writer().line(
-                f"kvchaos: could not update {newest.parent / 'index.html'}: "
+            update_index(runs[-1].parent, newest=runs[-1])
+            cfg._kvchaos_indexed = True
+        except Exception as e:  # the runs and reports are written: a stale listing fails no test
+            cfg.get_terminal_writer().line(
+                f"kvchaos: could not update {runs[-1].parent / 'index.html'}: "
                 f"{type(e).__name__}: {e}",
                 yellow=True,
             )
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    runs = getattr(config, "_kvchaos_runs", [])
+    if runs:  # where the session's run folders are (called after pytest_sessionfinish)
+        d, n = runs[-1].parent, len(runs)
+        index = d / "index.html" if getattr(config, "_kvchaos_indexed", False) else "not updated"
+        terminalreporter.write_line(
+            f"kvchaos: {n} run{'s' * (n != 1)} in {d}  index: {index}  latest: {d / 'latest'} -> "
+            f"{runs[-1].name}"
+        )
 
 
 def is_scenario_file(path: Path) -> bool:
@@ -189,7 +212,9 @@ class ScenarioItem(pytest.Item):
             ),
             index=False,
         )
-        self.config._kvchaos_newest = r.run_dir
+        if not hasattr(self.config, "_kvchaos_runs"):
+            self.config._kvchaos_runs = []
+        self.config._kvchaos_runs.append(r.run_dir)
         self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
         if r.results.get("reason") == "interrupted":  # Ctrl-C stops the session, not just this run
             raise KeyboardInterrupt
@@ -217,7 +242,8 @@ class ScenarioItem(pytest.Item):
 def kvchaos_run(request, tmp_path):
     """Run a scenario (a Scenario, a file path, a built-in name, or a dict in the file's shape)
     with the command line's device and block manager; returns
-    kvchaos.harness.judge.runner.RunResult."""
+    kvchaos.harness.judge.runner.RunResult. The run folder goes into --kvchaos-report-dir when
+    given, else into the test's tmp_path (report_dir=... to choose)."""
     from kvchaos.harness.judge.runner import run_scenario
     from kvchaos.harness.judge.scenario import Scenario, load_scenario, parse_scenario
     from kvchaos.harness.report.render import publish
@@ -230,7 +256,8 @@ def kvchaos_run(request, tmp_path):
         elif not isinstance(scenario, Scenario):
             scenario = load_scenario(scenario)
         kw.setdefault("device", cfg.getoption("--kvchaos-device"))
-        kw.setdefault("report_dir", tmp_path)
+        given = cfg.getoption("--kvchaos-report-dir")
+        kw.setdefault("report_dir", _report_dir(cfg) if given else tmp_path)
         kw.setdefault("block_manager_spec", cfg.getoption("--kvchaos-block-manager"))
         return publish(run_scenario(scenario, seed, **kw))
 

@@ -1,9 +1,15 @@
 """The kvchaos command line: help, list, run with its table, one exit code per verdict, and bad
-input refused with exit 2 and one clear line (no traceback, no run started)."""
+input refused with exit 2 and one clear line (no traceback, no run started); every command's exit
+codes in its help; output for logs and pipes (full-width tables, plain progress lines, --format
+json) and where the reports are."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvchaos
 from kvchaos.engine.engine import Engine
-from kvchaos.harness.cli import main
+from kvchaos.harness.cli import EXITS, build_parser, main
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
 from kvchaos.harness.judge.verdict import EXIT_CODES
@@ -48,10 +55,61 @@ def test_help_from_the_console_script():
     out = subprocess.run([str(KVCHAOS), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stderr == ""
     assert "list" in out.stdout and "run" in out.stdout
-    assert (
-        "exit codes: 0 PASS, 10 MISSED, 11 FAIL, 12 INCONCLUSIVE, 13 ERROR, 2 bad input"
-        in out.stdout
-    )
+    assert "run        0 PASS, 10 MISSED, 11 FAIL, 12 INCONCLUSIVE, 13 ERROR\n" in out.stdout
+    assert "all        2 bad input, 130 interrupted\n" in out.stdout
+
+
+def test_version(capsys):
+    out = subprocess.run([str(KVCHAOS), "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == f"kvchaos {kvchaos.__version__}\n"
+    rc, out, _ = cli(capsys, "--version")
+    assert rc == 0 and out.strip() == f"kvchaos {kvchaos.__version__}"
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    p = build_parser()
+    return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def documented(help_text: str) -> set[int]:
+    """The codes of an `exit codes:` section."""
+    section = help_text.split("exit codes")[-1]
+    return {int(c) for c in re.findall(r"(?m)^ +(\d+)  \S", section)}
+
+
+# where each command's exit codes are defined: its EXIT_* constants must all be in its help
+SOURCES = {
+    "run": ["kvchaos.harness.judge.verdict"],
+    "analyze": ["kvchaos.harness.judge.verdict"],
+    "replay": ["kvchaos.harness.tools.replay"],
+    "shrink": ["kvchaos.harness.tools.shrink"],
+    "soak": ["kvchaos.harness.tools.soak", "kvchaos.harness.tools.soak_summary"],
+    "gpu-check": ["kvchaos.harness.bench.gpu_check"],
+    "bench": [],
+    "list": [],
+}
+
+
+def test_every_command_documents_its_exit_codes(capsys):
+    cmds = subcommands()
+    assert {"list", "run", "analyze", "replay", "shrink", "soak", "gpu-check"} <= set(cmds)
+    rc, top, _ = cli(capsys, "--help")
+    assert rc == 0
+    for name in cmds:
+        assert name in SOURCES, f"{name}: which module defines its exit codes?"
+        rc, out, _ = cli(capsys, name, "--help")
+        codes = documented(out)
+        assert rc == 0 and {0, 2, 130} <= codes, (name, out)
+        defined = set()
+        for module in SOURCES[name]:
+            mod = importlib.import_module(module)
+            defined |= {v for k, v in vars(mod).items() if k.startswith("EXIT_") and type(v) is int}
+            if name in ("run", "analyze"):
+                defined |= set(mod.EXIT_CODES.values())
+        assert defined <= codes, (name, defined - codes)
+        epilog = top.split("exit codes")[-1]
+        line = next(ln for ln in epilog.splitlines() if ln.split()[:1] == [name])
+        assert {int(c) for c in re.findall(r"(\d+) ", line)} == {c for c, _, _ in EXITS[name]}
 
 
 def test_run_help(capsys):
@@ -67,7 +125,8 @@ def test_run_help(capsys):
         "--timeout",
     ):
         assert flag in out
-    assert "10 MISSED" in out
+    assert "   10  MISSED: a planted defect fired" in out and "  130  interrupted" in out
+    assert "--format {text,json}" in out
 
 
 def test_list_shows_every_builtin_with_expectation_and_markers(capsys):
@@ -113,6 +172,11 @@ def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):
     assert "overall: PASS" in out.stdout
     dirs = run_dirs(tmp_path)
     assert len(dirs) == 2
+    # the batch ends saying where its reports are
+    assert out.stdout.splitlines()[-1] == (
+        f"reports: {tmp_path}  index: {tmp_path / 'index.html'}  latest: {tmp_path / 'latest'}"
+        f" -> {(tmp_path / 'latest').resolve().name}"
+    )
     stall = next(d for d in dirs if "staging-stall-clean" in d.name)
     theirs = json.loads((stall / "results.json").read_text())["history_digest"]
     ours = run_scenario(load_scenario("staging-stall-clean"), 0, report_dir=None).results[
@@ -253,7 +317,8 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
     assert rc == EXIT_CODES["MISSED"] and "overall: MISSED" in out
 
 
-def test_ctrl_c_stops_the_run_and_keeps_the_record(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_ctrl_c_stops_the_run_and_keeps_the_record(capsys, tmp_path, monkeypatch, fmt):
     real = Engine.step
 
     def step(self):
@@ -271,9 +336,17 @@ def test_ctrl_c_stops_the_run_and_keeps_the_record(capsys, tmp_path, monkeypatch
         "3",
         "--report-dir",
         tmp_path,
+        "--format",
+        fmt,
     )
     assert rc == 130 and "interrupted" in err
     (only,) = run_dirs(tmp_path)  # the first run, and nothing after it
+    if fmt == "json":  # the document still comes, saying so
+        doc = json.loads(out)
+        assert doc["interrupted"] and doc["exit_code"] == 130
+        assert [Path(x["run_dir"]) for x in doc["runs"]] == [only]
+    else:
+        assert "overall: ERROR" in out and f"reports: {tmp_path}" in out
     res = json.loads((only / "results.json").read_text())
     assert res["reason"] == "interrupted" and res["steps"] == 2
     # the batch's index is still written, with the interrupted run in it
@@ -296,3 +369,109 @@ def test_a_batch_builds_the_index_once_with_every_run(capsys, tmp_path, monkeypa
     )
     html = (tmp_path / "index.html").read_text()
     assert all(d.name in html for d in dirs)
+
+
+# Two names that only differ at the end, longer than a CI log's default 80 columns.
+LONG = "ordering-race-across-eight-tensor-parallel-ranks-under-host-staging-pressure"
+
+
+def test_in_a_log_tables_keep_long_names_and_progress_is_plain_lines(tmp_path):
+    """stdout is a pipe here, as in CI, and COLUMNS is not set: nothing may be truncated."""
+    files = [write_scenario(tmp_path, f"{LONG}-{k}", SMALL) for k in ("clean", "again")]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    argv = [str(KVCHAOS), "run", *map(str, files), "--seed", "0"]
+    out = subprocess.run(
+        [*argv, "--report-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    progress = [ln for ln in lines if ln.startswith("[")]
+    assert len(progress) == 2, out.stdout
+    for i, (ln, k) in enumerate(zip(progress, ("clean", "again")), 1):
+        assert re.fullmatch(rf"\[{i}/2\] {LONG}-{k} seed 0: PASS \(\d+\.\d s\)", ln), ln
+    rows = [ln for ln in lines if ln.startswith("│")]
+    assert [ln.split("│")[1].strip() for ln in rows] == [f"{LONG}-clean", f"{LONG}-again"]
+    assert "…" not in out.stdout and "\x1b[" not in out.stdout  # no ellipsis, no colour codes
+    # list, too
+    out = subprocess.run(
+        [str(KVCHAOS), "list", *map(str, files)], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0 and "…" not in out.stdout
+    assert f"{LONG}-clean " in out.stdout and f"{LONG}-again " in out.stdout
+
+
+def test_format_json_is_one_document_matching_the_run_folders(capsys, tmp_path):
+    caught = write_scenario(
+        tmp_path,
+        "leak-caught",
+        SMALL + LEAK_FAULT + '[expect]\noutcome = "detect"\ncheckers = ["block_accounting"]\n',
+    )
+    missed = write_scenario(
+        tmp_path,
+        "leak-wrong-checker",
+        SMALL + LEAK_FAULT + '[expect]\noutcome = "detect"\ncheckers = ["cross_rank"]\n',
+    )
+    r = tmp_path / "r"
+    rc, out, err = cli(
+        capsys, "run", caught, missed, "--seeds", "0,1", "--report-dir", r, "--format", "json"
+    )
+    doc = json.loads(out)  # stdout is that document and nothing else
+    assert rc == doc["exit_code"] == EXIT_CODES["MISSED"] and doc["verdict"] == "MISSED"
+    assert doc["report_dir"] == str(r) and doc["index"] == str(r / "index.html")
+    assert Path(doc["latest"]).resolve() == Path(doc["runs"][-1]["run_dir"]).resolve()
+    runs = doc["runs"]
+    assert [(x["scenario"], x["seed"]) for x in runs] == [
+        ("leak-caught", 0),
+        ("leak-caught", 1),
+        ("leak-wrong-checker", 0),
+        ("leak-wrong-checker", 1),
+    ]
+    assert sorted(Path(x["run_dir"]) for x in runs) == run_dirs(r)
+    for x in runs:
+        res = json.loads((Path(x["run_dir"]) / "results.json").read_text())
+        assert (x["verdict"], x["summary"], x["replay"]) == (
+            res["verdict"],
+            res["summary"],
+            res["replay"],
+        )
+        assert x["exit_code"] == EXIT_CODES[x["verdict"]]
+    assert {x["verdict"] for x in runs} == {"PASS", "MISSED"}
+    # the progress and where the reports are go to stderr
+    assert (
+        "[1/4] leak-caught seed 0: PASS" in err and "[4/4] leak-wrong-checker seed 1: MISSED" in err
+    )
+    assert err.splitlines()[-1].startswith(f"reports: {r}  index: {r / 'index.html'}")
+    rc, out, err = cli(
+        capsys, "run", caught, "--seed", "0", "--report-dir", r, "--format", "json", "-q"
+    )
+    assert rc == 0 and json.loads(out)["runs"][0]["verdict"] == "PASS" and err == ""
+
+
+def test_list_format_json(capsys):
+    rc, out, _ = cli(capsys, "list", "--format", "json")
+    scs = {s["name"]: s for s in json.loads(out)["scenarios"]}
+    assert rc == 0 and set(scs) == {s.name for s in builtin_scenarios()}
+    leak = scs["refcount-leak-detect"]
+    assert (
+        leak["expect"]["outcome"] == "detect" and "block_accounting" in leak["expect"]["checkers"]
+    )
+    assert leak["faults"] == [{"name": "refcount_leak", "defect": True}]
+    assert "fault_refcount_leak" in leak["markers"] and leak["seeds"]
+
+
+def test_the_readme_lists_every_commands_exit_codes():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("Verdicts and exit codes") : readme.index("## Writing")]
+    for verdict, code in EXIT_CODES.items():
+        assert f"`{verdict}` {code}" in section
+    bullets = re.split(r"\n- ", section)
+    for name, codes in EXITS.items():
+        if name == "run":
+            continue  # the verdicts above
+        bullet = next(b for b in bullets if f"`{name}`" in b.split(":")[0])
+        assert {c for c, _, _ in codes} <= {int(n) for n in re.findall(r"\b(\d+)\b", bullet)}, name
+    assert "2 on bad input" in section and "130 when" in section

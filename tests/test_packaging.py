@@ -29,6 +29,8 @@ num_kv_heads = 1
 vocab_size = 64
 [workload]
 num_requests = 3
+prompt_len = { dist = "fixed", value = 4 }
+output_len = { dist = "fixed", value = 4 }
 """
 
 

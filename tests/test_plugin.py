@@ -132,6 +132,8 @@ def test_runs_pass_and_reports_land_in_the_report_dir(suite):
     res.assert_outcomes(passed=3)
     dirs = [p for p in report.iterdir() if p.is_dir() and not p.is_symlink()]
     assert len(dirs) == 3 and all((d / "results.json").exists() for d in dirs)
+    # the session ends saying where they are
+    res.stdout.fnmatch_lines([f"kvchaos: 3 runs in {report}  index: {report / 'index.html'}  *"])
     # the index is built once, at the session's end, and lists every run; latest is the newest
     index = json.loads((report / "index.json").read_text())
     assert sorted(index) == sorted(d.name for d in dirs)
@@ -140,11 +142,38 @@ def test_runs_pass_and_reports_land_in_the_report_dir(suite):
     }
 
 
+def test_by_default_runs_land_in_reports_under_the_rootdir_and_are_not_collected(
+    suite, monkeypatch
+):
+    """Not in pytest's temporary folders (it deletes them): reports/ beside the project's config,
+    wherever pytest starts; and a later `pytest` does not collect the run folders' scenario.toml."""
+    suite.makeini("[pytest]\n")  # the rootdir: the project
+    monkeypatch.chdir(suite.path / "my_scenarios")
+    res = suite.runpytest("clean.toml")
+    res.assert_outcomes(passed=1)
+    report = suite.path / "reports"
+    (run,) = [p for p in report.iterdir() if p.is_dir() and not p.is_symlink()]
+    assert (run / "results.json").is_file() and (run / "scenario.toml").is_file()
+    assert (report / "index.html").is_file() and (report / "latest").resolve() == run.resolve()
+    assert not (suite.path / "my_scenarios" / "reports").exists()
+    res.stdout.fnmatch_lines([f"kvchaos: 1 run in {report}  index: *  latest: * -> {run.name}"])
+    monkeypatch.chdir(suite.path)
+    assert collected(suite) == sorted(
+        ["clean[seed=1]", "leak-soak[seed=0]", "leak[seed=0]", "leak[seed=1]"]
+    )
+
+
 def test_failing_item_says_verdict_evidence_and_replay_and_junit_has_properties(suite):
     wrong = LEAK_DETECT.replace('checkers = ["block_accounting"]', 'checkers = ["cross_rank"]')
     (suite.path / "my_scenarios" / "wrong.toml").write_text(scenario("wrong", wrong))
     xml = suite.path / "junit.xml"
-    res = suite.runpytest("my_scenarios/wrong.toml", "my_scenarios/clean.toml", f"--junitxml={xml}")
+    res = suite.runpytest(
+        "my_scenarios/wrong.toml",
+        "my_scenarios/clean.toml",
+        f"--junitxml={xml}",
+        "--kvchaos-report-dir",
+        str(suite.path / "runs"),
+    )
     res.assert_outcomes(passed=1, failed=1)
     out = res.stdout.str()
     assert "MISSED: fired but not caught by ['cross_rank']" in out
@@ -182,15 +211,20 @@ def test_scenario_file_with_bad_toml_is_reported_not_skipped(suite):
 
 
 def test_kvchaos_run_and_engine_fixtures_in_a_user_test(pytester):
+    """kvchaos_run keeps its run in the test's tmp_path, or in --kvchaos-report-dir when given."""
     pytester.makepyfile(
         test_mine="""
+        from pathlib import Path
+
         from kvchaos.engine.config import CacheConfig, EngineConfig
 
-        def test_my_scenario(kvchaos_run):
+        def test_my_scenario(kvchaos_run, tmp_path, pytestconfig):
             r = kvchaos_run({"scenario": {"name": "mine"}, "workload": {"num_requests": 3,
                              "output_len": {"dist": "fixed", "value": 3}}}, seed=2)
             assert r.verdict == "PASS", r.summary
             assert r.seed == 2 and (r.run_dir / "history.jsonl").exists()
+            given = pytestconfig.getoption("--kvchaos-report-dir")
+            assert r.run_dir.parent == (Path(given) if given else tmp_path)
 
         def test_my_engine(kvchaos_engine):
             eng = kvchaos_engine(EngineConfig(cache=CacheConfig(block_size=4, num_blocks=16)))
@@ -201,6 +235,11 @@ def test_kvchaos_run_and_engine_fixtures_in_a_user_test(pytester):
     """
     )
     pytester.runpytest().assert_outcomes(passed=2)
+    assert not (pytester.path / "reports").exists()  # a unit test's run: not in the project
+    kept = pytester.path / "kept"
+    pytester.runpytest("--kvchaos-report-dir", str(kept)).assert_outcomes(passed=2)
+    runs = [p for p in kept.iterdir() if p.is_dir() and not p.is_symlink()]
+    assert [p.name.endswith("-mine-s2") for p in runs] == [True]
 
 
 def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
@@ -211,7 +250,7 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
         from kvchaos.engine.config import EngineConfig
 
         def test_engine_uses_it(kvchaos_engine):
-            assert type(kvchaos_engine(EngineConfig()).bm).__name__ == "Leaky"
+            assert type(kvchaos_engine(EngineConfig()).bm.manager).__name__ == "Leaky"
     """
     )
     report = suite.path / "reports"
@@ -227,7 +266,7 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
         passed=1, failed=1
     )  # the scenario that passes on the reference block manager fails
     out = res.stdout.str()
-    assert "FAIL: block_accounting fired with nothing planted" in out
+    assert "FAIL: bug found: block_accounting" in out
     assert (
         "--block-manager leaky_bm:Leaky" in out
     )  # the replay line runs it under the same block manager
@@ -238,7 +277,9 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
         if '"run_start"' in x
     )
     assert start["block_manager"] == "leaky_bm:Leaky"
-    suite.runpytest("my_scenarios/clean.toml").assert_outcomes(passed=1)
+    suite.runpytest("my_scenarios/clean.toml", "--kvchaos-report-dir", str(report)).assert_outcomes(
+        passed=1
+    )
 
 
 def test_an_index_that_cannot_be_written_fails_no_test(suite):

@@ -1,5 +1,7 @@
-"""decide(): every verdict from an expectation, checker results and fault.verify(), with the
-boundaries (caught exactly within the window, one step too late, before the defect fired)."""
+"""decide(): every verdict from an expectation, checker results and each fault's ground truth
+(verify()), with the boundaries: caught exactly within the window, one step too late, before the
+defect fired; findings explained by cause and time or the run FAILs, in detect scenarios too;
+clean runs prove their triggers were pulled; checkers with nothing to judge never hold."""
 
 from __future__ import annotations
 
@@ -32,35 +34,69 @@ def scenario(outcome="clean", faults=(), checkers=(), within=2):
     return parse_scenario(data, "<test>")
 
 
-def checks(*findings, unknown=()):
-    """One CheckResult per checker: findings given as (checker, step)."""
+def checks(*findings, unknown=(), not_judged=()):
+    """One CheckResult per checker: findings given as (checker, step[, kind, evidence[, known]])."""
     out = []
     for name in CHECKERS:
         fs = [
-            Finding(c, s, f"{c} saw something at step {s}", kind="k")
-            for c, s in findings
-            if c == name
+            Finding(
+                f[0],
+                f[1],
+                f"{f[0]} saw something at step {f[1]}",
+                f[3] if len(f) > 3 else {"req": "r1"},
+                kind=f[2] if len(f) > 2 else "leak",
+                known_at=f[4] if len(f) > 4 else None,
+            )
+            for f in findings
+            if f[0] == name
         ]
         if name in unknown:
             out.append(CheckResult(name, None, [], "Traceback ...\nKeyError: 'table'"))
+        elif name in not_judged:
+            out.append(CheckResult(name, None, [], None, 0))
         else:
             out.append(CheckResult(name, not fs, fs, None, 10))
     return out
 
 
 LEAK = scenario("detect", [("refcount_leak", True)], ["block_accounting"], within=2)
-FIRED_AT_10 = {"refcount_leak": {"fired": True, "first_step": 10, "times": 3}}
+LEAKS = [{"req": "r1", "path": "decode", "blocks": [1, 2], "step": 10}]
+FIRED_AT_10 = {"refcount_leak": {"fired": True, "first_step": 10, "times": 1, "leaks": LEAKS}}
+PULLED = {"triggered": 2, "remediated": 2, "fired": False}
 
 
 def test_pass_clean():
-    v = decide(scenario(), checks(), {}, None)
+    v = decide(scenario(), checks(), {}, None, {"tokens": 5})
     assert (v.verdict, v.exit_code, v.time_to_detect) == (PASS, 0, {})
 
 
-def test_pass_clean_with_trigger_only_faults():
+def test_pass_clean_with_trigger_only_faults_whose_triggers_were_pulled():
     sc = scenario(faults=[("table_overflow", False), ("refcount_leak", False)])
-    v = decide(sc, checks(), {"table_overflow": {"planted": False, "fired": False}}, None)
-    assert v.verdict == PASS
+    verify = {"table_overflow": PULLED, "refcount_leak": PULLED}
+    v = decide(sc, checks(), verify, None, {"tokens": 5})
+    assert v.verdict == PASS and "pulled 2x" in v.summary
+
+
+@pytest.mark.parametrize("idle", ["table_overflow", "refcount_leak"])
+def test_a_clean_run_whose_trigger_never_fired_is_inconclusive(idle):
+    """staging_stall at step 5000, ordering_race with probability 0, no long request: the trigger
+    was never pulled, so "clean" proves nothing."""
+    sc = scenario(faults=[("table_overflow", False), ("refcount_leak", False)])
+    verify = {"table_overflow": PULLED, "refcount_leak": PULLED, idle: {"triggered": 0}}
+    v = decide(sc, checks(), verify, None, {"tokens": 5})
+    assert v.verdict == INCONCLUSIVE and idle in v.summary
+
+
+def test_a_run_that_exercised_nothing_is_inconclusive():
+    v = decide(scenario(), checks(), {}, None, {"tokens": 0})
+    assert v.verdict == INCONCLUSIVE and "exercised nothing" in v.summary
+
+
+def test_a_checker_with_nothing_to_judge_is_not_judged_never_held():
+    v = decide(scenario(), checks(not_judged=["cross_rank", "latency"]), {}, None, {"tokens": 5})
+    assert v.verdict == PASS and "not judged: latency, cross_rank" in v.summary
+    assert CheckResult("cross_rank", None, [], None, 0).status == "not judged"
+    assert CheckResult("x", None, [], "Traceback").status == "unknown"
 
 
 @pytest.mark.parametrize("step, ttd", [(10, 0), (11, 1), (12, 2)])
@@ -70,15 +106,16 @@ def test_pass_detect_within_steps(step, ttd):
     assert "block_accounting" in v.summary
 
 
-def test_pass_detect_by_any_one_expected_checker():
-    sc = scenario("detect", [("table_overflow", True)], ["table_integrity", "oracle_divergence"])
-    v = decide(
-        sc,
-        checks(("oracle_divergence", 5), ("oracle_divergence", 9)),
-        {"table_overflow": {"fired": True, "first_step": 4}},
-        None,
-    )
-    assert v.verdict == PASS and v.time_to_detect == {"table_overflow": 1}
+def test_time_to_detect_runs_to_when_the_harness_knew():
+    """An oracle divergence at step 3 known when the request was checked at step 13."""
+    sc = scenario("detect", [("table_overflow", True)], ["oracle_divergence"], within=5)
+    truth = {"fired": True, "first_step": 3, "touched": {"requests": ["r1"], "rows": [1]}}
+    f = ("oracle_divergence", 3, "divergence", {"req": "r1"}, 13)
+    v = decide(sc, checks(f), {"table_overflow": truth}, None)
+    assert v.verdict == MISSED and "first known after 10 steps" in v.summary
+    ok = ("oracle_divergence", 3, "divergence", {"req": "r1"}, 7)
+    v = decide(sc, checks(ok), {"table_overflow": truth}, None)
+    assert v.verdict == PASS and v.time_to_detect == {"table_overflow": 4}
 
 
 def test_missed_fired_but_nothing_caught_it():
@@ -88,16 +125,45 @@ def test_missed_fired_but_nothing_caught_it():
 
 def test_missed_caught_too_late():
     v = decide(LEAK, checks(("block_accounting", 13)), FIRED_AT_10, None)
-    assert v.verdict == MISSED and "first after 3 steps" in v.summary
+    assert v.verdict == MISSED and "first known after 3 steps" in v.summary
+
+
+def test_a_consequence_never_counts_as_the_catch():
+    """Starvation the leak explains (it shrank the pool below the queue's need) is credited, but
+    it is not the catch: without block_accounting's own finding the run is MISSED, not FAIL."""
+    sc = scenario("detect", [("refcount_leak", True)], ["liveness"], within=50)
+    starved = ("liveness", 12, "starvation", {"req": "r9", "blocked_need": 47, "num_blocks": 48})
+    v = decide(sc, checks(starved), FIRED_AT_10, None)
+    assert v.verdict == MISSED and v.credits[0][2:] == ("refcount_leak", "consequence")
+
+
+def test_starvation_the_leak_cannot_cover_is_a_bug_found():
+    """Measured before: liveness flagged requests the leak never touched. A starved request is
+    explained only while the blocks leaked so far shrink the pool below what the queue needs."""
+    starved = ("liveness", 12, "starvation", {"req": "r9", "blocked_need": 20, "num_blocks": 48})
+    v = decide(LEAK, checks(("block_accounting", 10), starved), FIRED_AT_10, None)
+    assert v.verdict == FAIL and "liveness at step 12" in v.summary
+
+
+def test_a_finding_no_planted_fault_explains_fails_a_detect_run():
+    """A stale decode upload diverging at step 3, a row left behind after free at step 17: the
+    planted defect was caught too, but a detect run must not hide a bug it cannot credit."""
+    stray = ("table_integrity", 17, "foreign_block", {"row": 5, "owner": None})
+    v = decide(LEAK, checks(("block_accounting", 10), stray), FIRED_AT_10, None)
+    assert v.verdict == FAIL and "table_integrity at step 17" in v.summary
+    early = ("block_accounting", 9)  # before the defect fired: not its doing
+    v = decide(LEAK, checks(early, ("block_accounting", 10)), FIRED_AT_10, None)
+    assert v.verdict == FAIL and "step 9" in v.summary
+
+
+def test_a_finding_about_another_request_is_not_credited():
+    other = ("block_accounting", 11, "leak", {"req": "r7"})
+    v = decide(LEAK, checks(("block_accounting", 10), other), FIRED_AT_10, None)
+    assert v.verdict == FAIL and v.credits[1][2] is None
 
 
 def test_missed_when_only_a_non_expected_checker_fires():
-    v = decide(LEAK, checks(("liveness", 10), ("table_integrity", 11)), FIRED_AT_10, None)
-    assert v.verdict == MISSED
-
-
-def test_a_finding_before_the_defect_fired_does_not_count():
-    v = decide(LEAK, checks(("block_accounting", 9)), FIRED_AT_10, None)
+    v = decide(LEAK, checks(("liveness", 10, "starvation", {})), FIRED_AT_10, None)
     assert v.verdict == MISSED
 
 
@@ -105,44 +171,59 @@ def test_missed_names_the_one_of_two_planted_faults_not_caught():
     sc = scenario(
         "detect", [("refcount_leak", True), ("ordering_race", True)], ["block_accounting"]
     )
-    verify = {**FIRED_AT_10, "ordering_race": {"fired": True, "first_step": 3}}
+    stale = [{"step": 3, "ranks": [1], "requests": ["r1"]}]
+    verify = {**FIRED_AT_10, "ordering_race": {"fired": True, "first_step": 3, "stale": stale}}
     v = decide(sc, checks(("block_accounting", 10)), verify, None)
-    assert (
-        v.verdict == MISSED
-        and "ordering_race" in v.summary
-        and "refcount_leak" not in v.summary.split(":")[-1]
+    assert v.verdict == MISSED and "ordering_race" in v.summary.split(":")[-1]
+    assert "refcount_leak" not in v.summary.split(":")[-1]
+
+
+def test_each_planted_fault_is_judged_by_its_own_detectors():
+    """Two planted faults: the race is caught by cross_rank, the leak by block_accounting; neither
+    is credited with the other's finding."""
+    sc = scenario(
+        "detect",
+        [("refcount_leak", True), ("ordering_race", True)],
+        ["block_accounting", "cross_rank"],
     )
+    stale = [{"step": 3, "ranks": [1], "requests": ["r2"]}]
+    verify = {**FIRED_AT_10, "ordering_race": {"fired": True, "first_step": 3, "stale": stale}}
+    race = ("cross_rank", 3, "stale_table", {"ranks": [1]})
+    v = decide(sc, checks(("block_accounting", 10), race), verify, None)
+    assert v.verdict == PASS and v.time_to_detect == {"refcount_leak": 0, "ordering_race": 0}
 
 
 def test_fail_with_nothing_planted_names_the_earliest_finding():
-    v = decide(scenario(), checks(("liveness", 40), ("table_integrity", 7)), {}, None)
+    v = decide(
+        scenario(), checks(("liveness", 40), ("table_integrity", 7)), {}, None, {"tokens": 5}
+    )
     assert v.verdict == FAIL and v.exit_code == 11
     assert "table_integrity" in v.summary and "step 7" in v.summary
 
 
 def test_fail_with_trigger_only_faults():
-    """The remediation failed under the trigger: a real engine bug, reported as a bug found of
-    the scenario."""
+    """The remediation failed under the trigger: a real engine bug."""
     sc = scenario(faults=[("refcount_leak", False)])
-    v = decide(
-        sc,
-        checks(("block_accounting", 12)),
-        {"refcount_leak": {"planted": False, "fired": False}},
-        None,
-    )
+    v = decide(sc, checks(("block_accounting", 12)), {"refcount_leak": PULLED}, None)
     assert v.verdict == FAIL
 
 
 @pytest.mark.parametrize("verify", [{"refcount_leak": {"fired": False, "first_step": None}}, {}])
 def test_inconclusive_planted_but_never_fired(verify):
-    v = decide(LEAK, checks(("block_accounting", 3)), verify, None)
+    v = decide(LEAK, checks(), verify, None)
     assert v.verdict == INCONCLUSIVE and v.exit_code == 12 and "refcount_leak" in v.summary
 
 
-def test_error_on_run_error_even_with_findings():
+def test_any_finding_outranks_inconclusive():
+    v = decide(LEAK, checks(("block_accounting", 3)), {}, None)
+    assert v.verdict == FAIL
+
+
+def test_error_on_run_error_keeps_the_findings():
     err = {"error": "RuntimeError", "message": "boom at step 5", "traceback": "..."}
     v = decide(LEAK, checks(("block_accounting", 10)), FIRED_AT_10, err)
     assert v.verdict == ERROR and v.exit_code == 13 and "RuntimeError: boom at step 5" in v.summary
+    assert "1 findings kept" in v.summary and v.credits
 
 
 @pytest.mark.parametrize("sc", [scenario(), LEAK])

@@ -21,23 +21,36 @@ class Finding:
         None  # True: outputs diverged; False: latent (structure only); None: n/a
     )
     kind: str = ""  # short tag, part of the incident fingerprint
+    known_at: int | None = None  # the step the check that found it ran (None: at `step`)
+
+    @property
+    def known(self) -> int:
+        return self.step if self.known_at is None else self.known_at
 
 
 @dataclass
 class CheckResult:
     checker: str
-    valid: bool | None  # True pass, False findings, None unknown (the checker could not decide)
+    # True held, False findings, None: could not decide (error set) or had nothing to judge
+    valid: bool | None
     findings: list[Finding] = field(default_factory=list)
     error: str | None = None
     checked: int = 0  # how many things it looked at (steps, snapshots, requests)
 
+    @property
+    def status(self) -> str:
+        if self.valid is None:
+            return "unknown" if self.error else "not judged"
+        return "held" if self.valid else "fired"
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "status": self.status}
 
 
 def _result(name: str, findings: list[Finding], checked: int) -> CheckResult:
+    """A checker that looked at nothing never held: it was not judged."""
     findings.sort(key=lambda f: f.step)
-    return CheckResult(name, not findings, findings, None, checked)
+    return CheckResult(name, not findings if checked or findings else None, findings, None, checked)
 
 
 def _of(events: list[dict], kind: str) -> list[dict]:
@@ -70,6 +83,7 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
                     },
                     True,
                     "divergence",
+                    o["step"],  # known when the request was checked, not when it diverged
                 )
             )
     return _result("oracle_divergence", found, len(results))
@@ -157,18 +171,31 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                     )
     end = _of(events, "run_end")
     last = [e for e in events if e.get("e") == "snapshot"]
-    if end and last and end[-1].get("reason") == "done":
+    if end and last and end[-1].get("reason") in ("done", "max_steps"):
+        # the final snapshot: every block is free or held by a request still live, or by a holder
+        # that is no request at all (the manager's own: preallocated or pinned blocks)
         s = last[-1]
-        if len(s["free"]) != s["num_blocks"]:
+        live = set(s.get("live", []))
+        submitted = {e["req"] for e in events if e.get("e") == "submit"}
+        held = {
+            b for r, bs in s["seq_blocks"].items() if r in live or r not in submitted for b in bs
+        }
+        missing = s["num_blocks"] - len(s["free"]) - len(held - set(s["free"]))
+        if missing > 0:
             found.append(
                 Finding(
                     "block_accounting",
                     s["step"],
-                    f"end of run: {s['num_blocks'] - len(s['free'])} "
-                    f"blocks never returned to the pool",
-                    {"free": len(s["free"]), "total": s["num_blocks"]},
+                    f"end of run ({end[-1]['reason']}): {missing} blocks never returned to the "
+                    f"pool nor held by a live request",
+                    {
+                        "free": len(s["free"]),
+                        "total": s["num_blocks"] - len(held),
+                        "live": len(live),
+                    },
                     False,
                     "end_leak",
+                    end[-1]["step"],
                 )
             )
     return _result("block_accounting", found, snaps)
@@ -256,9 +283,7 @@ def check_latency(
         if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
     ]
     if len(steps) < baseline_steps + sustain:
-        return CheckResult(
-            "latency", True, [], None, len(steps)
-        )  # too short to judge a trend: nothing seen
+        return CheckResult("latency", None, [], None, len(steps))  # too short to judge a trend
     lat = [e[signal] for e in steps]
     base = statistics.median(lat[:baseline_steps])
     low = _rolling_min(lat, window)
@@ -341,14 +366,29 @@ def check_cross_rank(events: list[dict]) -> CheckResult:
 
 
 def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
-    """Every request finishes, is rejected or is cancelled; none waits longer than bound_steps."""
-    submitted, ended, first_token = {}, set(), {}
-    last_step = 0
+    """Every request finishes, is rejected or is cancelled; none waits longer than bound_steps.
+    Each finding carries `blocked_need`: the most blocks (plus the watermark) that any request
+    ahead of or equal to the starved one, first come first served, needs to complete. Oldest first,
+    with preemption of the newest, the queue moves whenever each request fits the pool on its own:
+    a leak explains starvation only while it shrinks the usable pool below that need."""
+    submitted, ended, first_token, total = {}, set(), {}, {}
     found = []
+    last_step = 0
+    cache = next(iter(_of(events, "run_start")), {}).get("config", {}).get("cache", {})
+    bs, num_blocks = cache.get("block_size", 16), cache.get("num_blocks", 0)
+    watermark = int(cache.get("watermark", 0) * num_blocks)
+
+    def need(r: str) -> dict:
+        order = [q for q in submitted if q not in ended]
+        ahead = order[: order.index(r) + 1] if r in order else [r]
+        most = max(-(-total.get(q, 1) // bs) for q in ahead)
+        return {"blocked_need": most + watermark, "num_blocks": num_blocks}
+
     for e in events:
         k = e.get("e")
         if k == "submit":
             submitted[e["req"]] = e["step"]
+            total[e["req"]] = e.get("prompt_len", 1) + e.get("max_new", 0)
         elif k in ("reject", "cancel"):
             ended.add(e["req"])
         elif k == "step":
@@ -364,7 +404,7 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
                             e["step"],
                             f"request {r} submitted at step {s} has produced "
                             f"nothing in {bound_steps} steps: starved",
-                            {"req": r, "submitted": s},
+                            {"req": r, "submitted": s, **need(r)},
                             None,
                             "starvation",
                         )
@@ -379,12 +419,30 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
                     last_step,
                     f"{len(stuck)} requests never finished by the end of the run "
                     f"({end[-1]['reason']}): {stuck[:8]}",
-                    {"requests": stuck},
+                    {"requests": stuck, **need(stuck[-1])},
                     None,
                     "unfinished",
                 )
             )
     return _result("liveness", found, len(submitted))
+
+
+def check_manager_calls(events: list[dict]) -> CheckResult:
+    """Every call into the block manager returned or refused: an exception escaping one is a bug
+    in the system under test (the call, its arguments and the traceback are its evidence)."""
+    found = [
+        Finding(
+            "manager_calls",
+            e["step"],
+            f"{e['call']} raised {e['error']}: {e['message']}",
+            {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")},
+            None,
+            "exception",
+        )
+        for e in _of(events, "sut_error")
+    ]
+    calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
+    return _result("manager_calls", found, calls)
 
 
 CHECKERS: dict[str, Callable[..., CheckResult]] = {
@@ -394,14 +452,17 @@ CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "latency": check_latency,
     "cross_rank": check_cross_rank,
     "liveness": check_liveness,
+    "manager_calls": check_manager_calls,
 }
 
 
-def run_checkers(events: list[dict], options: dict | None = None) -> list[CheckResult]:
-    """Run every checker; options maps a checker name to keyword arguments."""
+def run_checkers(events: list[dict], options: dict | None = None, disabled=()) -> list[CheckResult]:
+    """Run every checker but the disabled ones; options maps a checker name to keyword arguments."""
     options = options or {}
     out = []
     for name, fn in CHECKERS.items():
+        if name in disabled:
+            continue
         try:
             out.append(fn(events, **options.get(name, {})))
         except Exception:

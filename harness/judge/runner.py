@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvchaos.engine.boundary import ManagerError, describe
 from kvchaos.harness.judge.checkers import run_checkers
 from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.live import LiveRun
@@ -143,14 +144,9 @@ def run_scenario(
             "message": "interrupted by the user",
             "traceback": "",
         }
-    except BaseException as ex:  # the engine broke (or the run could not start): ERROR, not a crash
-        error = {
-            "error": type(ex).__name__,
-            "message": str(ex),
-            "traceback": traceback.format_exc(),
-        }
-    if error:
-        history.append({"e": "error", "step": run.engine.step_count if run else 0, **error})
+    except BaseException as ex:  # the block manager's exception is a finding; any other, ERROR
+        error = _failure(history, ex, run.engine.step_count if run else 0)
+        reason = reason if error else "sut_error"
     verify = {}
     if run is not None:
         try:
@@ -164,29 +160,11 @@ def run_scenario(
             }
             history.append({"e": "error", "step": run.engine.step_count, **error})
         except Exception as ex:
-            history.append(
-                {
-                    "e": "error",
-                    "step": run.engine.step_count,
-                    "error": type(ex).__name__,
-                    "message": str(ex),
-                    "traceback": traceback.format_exc(),
-                }
-            )
-            error = error or {"error": type(ex).__name__, "message": str(ex)}
+            error = error or _failure(history, ex, run.engine.step_count)
         try:
             run.engine.close()  # real ranks: ends the run on them, or names the rank that failed
         except Exception as ex:
-            history.append(
-                {
-                    "e": "error",
-                    "step": run.engine.step_count,
-                    "error": type(ex).__name__,
-                    "message": str(ex),
-                    "traceback": traceback.format_exc(),
-                }
-            )
-            error = error or {"error": type(ex).__name__, "message": str(ex)}
+            error = error or _failure(history, ex, run.engine.step_count)
     history.close()
     events = history.events
     checks, v = evaluate(sc, events, verify, error)
@@ -208,6 +186,7 @@ def run_scenario(
         "error": error,
         "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": v.time_to_detect,
+        "credits": [{"checker": c, "step": s, "fault": f, "how": h} for c, s, f, h in v.credits],
         "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks],
         "history_digest": history.digest(),
@@ -222,32 +201,63 @@ def run_scenario(
     return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results, events)
 
 
-def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None):
-    """Checkers + verdict from a history: how a run ends, and what `kvchaos analyze` recomputes."""
+def _failure(history: History, ex: BaseException, step: int) -> dict | None:
+    """Record an exception that ended the run. One escaping a call into the block manager is a
+    finding against it (a "sut_error" event; the run goes on to its verdict, a FAIL); any other is
+    the harness's own failure: an "error" event, and the returned error makes the run ERROR."""
+    if isinstance(ex, ManagerError):
+        history.append(
+            {
+                "e": "sut_error",
+                "step": step,
+                "call": describe(ex.call, ex.args_),
+                "args": [repr(a) for a in ex.args_],
+                "error": type(ex.error).__name__,
+                "message": str(ex.error),
+                "traceback": ex.traceback,
+            }
+        )
+        return None
+    error = {"error": type(ex).__name__, "message": str(ex), "traceback": traceback.format_exc()}
+    history.append({"e": "error", "step": step, **error})
+    return error
+
+
+def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None, disabled=()):
+    """Checkers + verdict from a history: how a run ends, and what `kvchaos analyze` recomputes.
+    disabled: checkers switched off (what a verdict is without them)."""
     checks = run_checkers(
         events,
         {
             "latency": {"slo_ratio": sc.run.latency_slo_ratio, "signal": sc.run.latency_signal},
             "liveness": {"bound_steps": sc.run.liveness_bound_steps},
         },
+        disabled,
     )
     mark_manifest(checks, events)
-    return checks, decide(sc, checks, verify, error)
+    tokens = sum(len(e.get("tokens", {})) for e in events if e.get("e") == "step")
+    return checks, decide(sc, checks, verify, error, {"tokens": tokens})
 
 
 def mark_manifest(checks: list, events: list[dict]) -> None:
-    """A structural finding is manifest when outputs diverged too: on its own request where it names
-    one, else anywhere in the run. Otherwise it stays latent."""
+    """Manifest: a request whose output diverged, at or after the finding, is one the finding
+    touches (its request, the owner of its row, the requests live at its step). Otherwise latent:
+    findings that name no request (an end-of-run leak, a row nobody owns) stay latent."""
     diverged = {
-        e["req"] for e in events if e.get("e") == "oracle" and e.get("first_divergence") is not None
+        e["req"]: e.get("divergence_step") or 0
+        for e in events
+        if e.get("e") == "oracle" and e.get("first_divergence") is not None
     }
-    if not diverged:
-        return
+    live = {e["step"]: e.get("live", []) for e in events if e.get("e") == "snapshot"}
     for c in checks:
         for f in c.findings:
-            if f.manifest is False:
-                reqs = {f.evidence.get(k) for k in ("req", "owner")} - {None}
-                f.manifest = bool(reqs & diverged) if reqs else True
+            if c.checker in ("oracle_divergence", "latency", "liveness", "manager_calls"):
+                continue  # divergence is manifest by definition; the others judge no output
+            ev = f.evidence
+            reqs = {ev.get(k) for k in ("req", "owner")} - {None}
+            if c.checker == "cross_rank":
+                reqs |= set(live.get(f.step, []))
+            f.manifest = any(diverged.get(r, -1) >= f.step for r in reqs)
 
 
 def replay_command(

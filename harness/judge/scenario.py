@@ -28,6 +28,7 @@ CHECKERS = (
     "latency",
     "cross_rank",
     "liveness",
+    "manager_calls",
 )
 
 

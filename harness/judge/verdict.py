@@ -1,8 +1,21 @@
-"""The verdict of one run: scenario expectation x checker results x fault.verify()."""
+"""The verdict of one run: the scenario's expectation x the checkers' findings x each fault's
+ground truth (its verify(): what it injected, what the engine did).
+
+The rules (the architecture doc's table):
+- fired: from ground truth only, never from a checker's signal;
+- explained: a finding is credited to a planted fault that fired only by cause (the requests,
+  rows, blocks or ranks it touched) and time (at or after it fired), or as a consequence the fault
+  declares with a computable test; a finding no planted fault explains is a bug found: FAIL;
+- caught: an expected checker's finding that the fault explains as its cause, known (when the
+  check that found it ran) within `within_steps` of the fault's first firing; a consequence never
+  counts as the catch;
+- a clean run proves its planted triggers were pulled and that it exercised something, else it is
+  INCONCLUSIVE; a checker that had nothing to judge is "not judged", never "held";
+- ERROR only when the harness itself broke; the findings made before it are kept."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PASS, MISSED, FAIL, INCONCLUSIVE, ERROR = "PASS", "MISSED", "FAIL", "INCONCLUSIVE", "ERROR"
 # Verdict names recorded by older releases: FALSE_ALARM read as "the harness was wrong", yet it is
@@ -12,11 +25,11 @@ EXIT_CODES = {PASS: 0, MISSED: 10, FAIL: 11, INCONCLUSIVE: 12, ERROR: 13}
 # For many runs: the exit code of the most serious verdict seen.
 SEVERITY = [MISSED, FAIL, ERROR, INCONCLUSIVE, PASS]
 MEANING = {
-    PASS: "as expected: clean and clean, or planted, fired and caught",
+    PASS: "as expected: clean and clean with its triggers pulled, or planted, fired and caught",
     MISSED: "a planted defect fired and no expected checker caught it in time: the harness failed",
-    FAIL: "bug found: a checker fired with nothing planted, or the remediation failed",
-    INCONCLUSIVE: "the planted defect never fired: the trigger did not provoke it",
-    ERROR: "the run itself broke (engine exception, timeout, or a checker that could not decide)",
+    FAIL: "bug found: a finding no planted fault explains, or the remediation failed",
+    INCONCLUSIVE: "a planted trigger or defect never fired, or the run exercised nothing",
+    ERROR: "the harness itself broke (its own exception, a checker that could not decide, a kill)",
 }
 
 
@@ -24,7 +37,8 @@ MEANING = {
 class Verdict:
     verdict: str
     summary: str
-    time_to_detect: dict  # fault name -> steps from first firing to the first expected finding
+    time_to_detect: dict  # fault name -> steps from its first firing to when a catch was known
+    credits: list = field(default_factory=list)  # per finding: (checker, step, fault, how)
 
     @property
     def exit_code(self) -> int:
@@ -40,56 +54,120 @@ def worst(verdicts: list[str]) -> str:
     return min(verdicts, key=SEVERITY.index) if verdicts else PASS
 
 
-def decide(sc, checks: list, verify: dict, error: dict | None) -> Verdict:
-    fired_checks = [c for c in checks if c.valid is False]
-    unknown = [c for c in checks if c.valid is None]
+def _as_dict(f) -> dict:
+    return {"checker": f.checker, "step": f.step, "kind": f.kind, "evidence": f.evidence}
+
+
+def attribute(sc, findings: list, verify: dict) -> list[tuple[str | None, str | None]]:
+    """Per finding: (fault, "cause" | "consequence") of the planted fault that explains it, or
+    (None, None). A cause is preferred over a consequence."""
+    from kvchaos.faults import REGISTRY
+
+    fired = [f.name for f in sc.faults if f.defect and verify.get(f.name, {}).get("fired")]
+    out = []
+    for f in findings:
+        d, best = _as_dict(f), (None, None)
+        for name in fired:
+            how = REGISTRY[name].explains(d, verify[name])
+            if how == "cause":
+                best = (name, how)
+                break
+            if how and best[0] is None:
+                best = (name, how)
+        out.append(best)
+    return out
+
+
+def _expected(sc, name: str) -> list[str]:
+    """The checkers a planted fault is judged by: the scenario's, narrowed to the fault's own
+    detectors when several faults are planted (each is credited only with its own findings)."""
+    from kvchaos.faults import REGISTRY
+
+    own = [c for c in sc.expect.checkers if c in REGISTRY[name].detectors]
+    return own or list(sc.expect.checkers)
+
+
+def decide(
+    sc, checks: list, verify: dict, error: dict | None, exercised: dict | None = None
+) -> Verdict:
+    findings = sorted((f for c in checks for f in c.findings), key=lambda f: (f.step, f.checker))
+    credits = attribute(sc, findings, verify)
+    tally = [(f.checker, f.step, fault, how) for f, (fault, how) in zip(findings, credits)]
+    kept = f"; {len(findings)} findings kept" if findings else ""
     if error:
-        return Verdict(ERROR, f"run error: {error['error']}: {error['message']}", {})
+        return Verdict(ERROR, f"run error: {error['error']}: {error['message']}{kept}", {}, tally)
+    unknown = [c.checker for c in checks if c.valid is None and c.error]
     if unknown:
-        return Verdict(
-            ERROR, f"checker(s) could not decide: {', '.join(c.checker for c in unknown)}", {}
-        )
+        return Verdict(ERROR, f"checker(s) could not decide: {', '.join(unknown)}", {}, tally)
+    unexplained = [f for f, (fault, _) in zip(findings, credits) if fault is None]
     planted = {f.name: verify.get(f.name, {}) for f in sc.faults if f.defect}
-    if not planted:
-        if fired_checks:
-            first = min((f for c in fired_checks for f in c.findings), key=lambda f: f.step)
-            return Verdict(
-                FAIL,
-                f"{first.checker} fired with nothing planted (step {first.step}): {first.message}",
-                {},
-            )
-        if sc.expect.outcome == "detect":
-            return Verdict(INCONCLUSIVE, "expected a detection but no defect is planted", {})
-        return Verdict(PASS, f"clean: {len(checks)} checkers held", {})
-    not_fired = [n for n, v in planted.items() if not v.get("fired")]
-    if not_fired:
-        return Verdict(INCONCLUSIVE, f"planted defect never fired: {', '.join(not_fired)}", {})
     ttd, missed = {}, []
-    by_name = {c.checker: c for c in checks}
     for name, v in planted.items():
-        start = v["first_step"]
-        steps = [
-            f.step - start
-            for c in sc.expect.checkers
-            for f in by_name[c].findings
-            if f.step >= start
+        if not v.get("fired"):
+            continue
+        expected = _expected(sc, name)
+        known = [
+            f.known - v["first_step"]
+            for f, (fault, how) in zip(findings, credits)
+            if fault == name and how == "cause" and f.checker in expected
         ]
-        if steps and min(steps) <= sc.expect.within_steps:
-            ttd[name] = min(steps)
+        if known and min(known) <= sc.expect.within_steps:
+            ttd[name] = min(known)
         else:
-            late = f" (first after {min(steps)} steps)" if steps else ""
+            late = f" (first known after {min(known)} steps)" if known else ""
             missed.append(f"{name}{late}")
+    bug = ""
+    if unexplained:
+        first = unexplained[0]
+        bug = (
+            f"{first.checker} at step {first.step} is explained by no planted fault: "
+            f"{first.message}"
+            + (f" (+{len(unexplained) - 1} more unexplained)" if len(unexplained) > 1 else "")
+        )
     if missed:
         return Verdict(
             MISSED,
             f"fired but not caught by {sc.expect.checkers} within {sc.expect.within_steps} "
-            f"steps: {', '.join(missed)}",
+            f"steps: {', '.join(missed)}" + (f"; and a bug found: {bug}" if bug else ""),
             ttd,
+            tally,
         )
-    caught = sorted({c.checker for c in fired_checks if c.checker in sc.expect.checkers})
+    if unexplained:
+        return Verdict(FAIL, f"bug found: {bug}", ttd, tally)
+    not_fired = [n for n, v in planted.items() if not v.get("fired")]
+    if not_fired:
+        return Verdict(
+            INCONCLUSIVE, f"planted defect never fired: {', '.join(not_fired)}", {}, tally
+        )
+    if not planted and sc.expect.outcome == "detect":
+        return Verdict(INCONCLUSIVE, "expected a detection but no defect is planted", {}, tally)
+    idle = [
+        f.name for f in sc.faults if not f.defect and not verify.get(f.name, {}).get("triggered")
+    ]
+    if idle:
+        return Verdict(INCONCLUSIVE, f"trigger never pulled: {', '.join(idle)}", {}, tally)
+    if exercised is not None and not exercised.get("tokens"):
+        return Verdict(INCONCLUSIVE, "the run exercised nothing: no token was generated", {}, tally)
+    judged = [c for c in checks if c.valid is not None]
+    not_judged = [c.checker for c in checks if c.valid is None]
+    extra = f", not judged: {', '.join(not_judged)}" if not_judged else ""
+    if not planted:
+        pulled = ", ".join(
+            f"{f.name} pulled {verify[f.name]['triggered']}x, remediated "
+            f"{verify[f.name].get('remediated', 0)}x"
+            for f in sc.faults
+        )
+        return Verdict(
+            PASS,
+            f"clean: {len(judged)} checkers held{extra}" + (f"; {pulled}" if pulled else ""),
+            {},
+            tally,
+        )
+    caught = sorted({f.checker for f, (fault, how) in zip(findings, credits) if how == "cause"})
     return Verdict(
         PASS,
         f"planted, fired and caught by {', '.join(caught)} "
         f"(time to detect: {', '.join(f'{k} {v} steps' for k, v in ttd.items())})",
         ttd,
+        tally,
     )

@@ -1,0 +1,62 @@
+"""Reserving a step's slots against the block manager's actual answers.
+
+The schedule is planned on `blocks_needed`, the manager's estimate, not a promise: any append may
+be refused (OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve
+blocks). The engine then does what a serving scheduler does: a decode sequence that cannot grow
+preempts the newest running request (itself, if it is the newest); a request whose first chunk is
+refused goes back to wait, in order; a later prefill chunk that is refused waits a step."""
+
+from __future__ import annotations
+
+from kvchaos.engine.errors import OutOfBlocks
+from kvchaos.engine.sequence import State
+
+
+def reserve(engine, decode: list, prefill: list, preempted: list[str]):
+    """Appends for the step's decode sequences and prefill chunks. Returns what may run:
+    (decode, prefill, copy-on-write copies). Sequences preempted here are added to `preempted`."""
+    bm = engine.bm
+    if decode and hasattr(bm, "append_decode"):
+        try:  # the batched fast path; all or nothing
+            return _prefill(engine, decode, prefill, bm.append_decode([s.id for s in decode]))
+        except OutOfBlocks:
+            engine.refused("append_decode", decode[0].id, 1)
+    copies: dict[str, list] = {}
+    kept: list = []
+    for s in list(decode):
+        if s not in engine.running:
+            continue  # preempted to make room for an earlier one
+        while True:
+            try:
+                copies[s.id] = bm.append(s.id, 1)
+                kept.append(s)
+                break
+            except OutOfBlocks:
+                engine.refused("append", s.id, 1)
+                victim = engine.running[-1]
+                engine._preempt(victim)
+                preempted.append(victim.id)
+                copies.pop(victim.id, None)
+                if victim in kept:
+                    kept.remove(victim)
+                prefill = [(p, n) for p, n in prefill if p is not victim]
+                if victim is s:
+                    break
+    return _prefill(engine, kept, prefill, [c for cs in copies.values() for c in cs])
+
+
+def _prefill(engine, decode: list, prefill: list, copies: list):
+    bm, ran, back = engine.bm, [], []
+    for s, n in prefill:
+        try:
+            copies += bm.append(s.id, n)
+            ran.append((s, n))
+        except OutOfBlocks:
+            engine.refused("append", s.id, n)
+            if s.num_computed == 0:
+                back.append(s)  # holds nothing yet: back to the queue, first in line
+    for s in reversed(back):
+        engine.running.remove(s)
+        s.state = State.WAITING
+        engine.waiting.appendleft(s)
+    return decode, ran, copies

@@ -1,0 +1,178 @@
+"""Verdicts follow from evidence, on real runs: each repro that once gave a wrong verdict, with
+the verdict it must give now; refusals are answers the engine schedules around; an exception from
+the block manager is a finding; switching off a detect scenario's expected checkers gives MISSED."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvchaos.harness.judge.runner import evaluate, run_scenario
+from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
+from kvchaos.harness.judge.toml_writer import dumps
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py, named by spec
+
+DETECT = {
+    "table-overflow-detect": "table_overflow",
+    "refcount-leak-detect": "refcount_leak",
+    "staging-stall-detect": "staging_stall",
+    "ordering-race-detect": "ordering_race",
+}
+CLEAN = ["baseline-clean", "mixed-clean", "refcount-leak-clean", "table-overflow-clean"]
+
+
+def run(name_or_sc, seed=0, manager=None, **kw):
+    sc = load_scenario(name_or_sc) if isinstance(name_or_sc, str) else name_or_sc
+    spec = f"managers:{manager}" if manager else None
+    return run_scenario(sc, seed, "cpu", None, block_manager_spec=spec, **kw)
+
+
+def edited(name: str, edit) -> object:
+    """A built-in scenario with one change, as a user would write it."""
+    import tomllib
+
+    from kvchaos.harness.judge.scenario import BUILTIN_DIR
+
+    data = tomllib.loads((BUILTIN_DIR / f"{name}.toml").read_text())
+    edit(data)
+    return parse_scenario(json.loads(json.dumps(data)), f"<{name} edited>")
+
+
+# -- 1. every finding explained --------------------------------------------------------------
+def test_a_stale_decode_table_fails_a_detect_scenario_it_cannot_be_credited_to():
+    """Before: staging-stall-detect said PASS (latency caught the stall) while the oracle
+    diverged from step 3 under a manager whose decode-path table upload is stale."""
+    r = run("staging-stall-detect", manager="StaleDecodeTable")
+    assert r.verdict == "FAIL", r.summary
+    assert "explained by no planted fault" in r.summary
+
+
+def test_rows_left_behind_after_free_fail_table_overflow_detect():
+    """Before: PASS, though table_integrity fired at steps 17, 23, 26 - long before the planted
+    overflow fired at step 51."""
+    r = run("table-overflow-detect", manager="LeavesRowsBehind")
+    assert r.verdict == "FAIL", r.summary
+    first = min(f.step for f in r.findings if f.checker == "table_integrity")
+    assert first < r.results["fault_verify"]["table_overflow"]["first_step"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_refcount_leak_detect_has_its_starvation_explained(seed):
+    r = run("refcount-leak-detect", seed)
+    assert r.verdict == "PASS", r.summary
+    credits = r.results["credits"]
+    assert all(c["fault"] == "refcount_leak" for c in credits)
+    assert all(c["how"] == "consequence" for c in credits if c["checker"] == "liveness")
+
+
+# -- 2. fired from ground truth -----------------------------------------------------------------
+def test_the_race_fires_from_what_the_engine_did_not_from_the_checkers_crc(monkeypatch):
+    """If the CRC observation breaks, cross_rank sees nothing: the verdict must blame the
+    harness (MISSED), never the trigger (INCONCLUSIVE "never fired")."""
+    from kvchaos.engine import ranks
+
+    monkeypatch.setattr(ranks.VirtualRank, "crc", lambda self: 0)
+    monkeypatch.setattr("kvchaos.engine.engine.zlib.crc32", lambda b: 0)
+    sc = edited("ordering-race-detect", lambda d: d["expect"].update(checkers=["cross_rank"]))
+    r = run(sc, 0)
+    assert r.results["fault_verify"]["ordering_race"]["fired"]
+    assert r.verdict == "MISSED", r.summary
+
+
+# -- 3. clean runs prove their triggers -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, edit",
+    [
+        ("staging-stall-clean", lambda d: d["faults"][0]["params"].update(at_step=5000)),
+        ("ordering-race-clean", lambda d: d["faults"][0]["params"].update(probability=0.0)),
+        (
+            "table-overflow-clean",
+            lambda d: (
+                d["faults"][0].setdefault("params", {}).update(long_requests=0, boundary=False)
+            ),
+        ),
+    ],
+)
+def test_a_clean_run_whose_trigger_never_fired_is_inconclusive(name, edit):
+    assert run(name).verdict == "PASS"
+    r = run(edited(name, edit))
+    assert r.verdict == "INCONCLUSIVE", r.summary
+    assert "trigger never pulled" in r.summary
+
+
+def test_a_run_that_exercised_nothing_is_inconclusive():
+    sc = edited("baseline-clean", lambda d: d["workload"].update(num_requests=0))
+    r = run(sc)
+    assert r.verdict == "INCONCLUSIVE" and "exercised nothing" in r.summary
+
+
+def test_checkers_with_nothing_to_judge_say_so():
+    r = run("baseline-clean")  # one rank: cross_rank has nothing to judge
+    status = {c["checker"]: c["status"] for c in r.results["checkers"]}
+    assert status["cross_rank"] == "not judged" and "not judged" in r.summary
+
+
+# -- 4. the block manager's exceptions are findings; refusals are answers --------------------------
+@pytest.mark.parametrize(
+    "manager, call, error",
+    [
+        ("DoubleFreeGuard", "free(", "RuntimeError"),
+        ("IndexErrorOnGrowth", "append(", "IndexError"),
+    ],
+)
+def test_an_exception_from_the_block_manager_is_a_fail_naming_the_call(manager, call, error):
+    r = run("baseline-clean", manager=manager)
+    assert r.verdict == "FAIL", r.summary
+    f = next(f for f in r.findings if f.checker == "manager_calls")
+    assert f.evidence["call"].startswith(call) and f.evidence["error"] == error
+    assert "Traceback" in f.evidence["traceback"] and r.results["error"] is None
+
+
+def test_findings_before_a_crash_are_kept():
+    r = run("refcount-leak-detect", manager="DoubleFreeGuard")
+    assert r.verdict == "FAIL"
+    assert {"block_accounting", "manager_calls"} <= {f.checker for f in r.findings}
+
+
+@pytest.mark.parametrize("manager", ["Preallocating", "RefusesWhenLow", "Watermark", "NoFork"])
+@pytest.mark.parametrize("name", CLEAN)
+def test_managers_that_refuse_or_preallocate_pass_the_clean_scenarios(manager, name):
+    r = run(name, 0, manager)
+    assert r.verdict == "PASS", f"{manager} on {name}: {r.summary}"
+    counters = next(e for e in r.events if e["e"] == "run_end")["counters"]
+    assert counters["refusals"] >= 0 and "refusals_with_room" in counters
+
+
+def test_refusals_are_counted():
+    r = run("refcount-leak-clean", 0, "Watermark")
+    counters = next(e for e in r.events if e["e"] == "run_end")["counters"]
+    assert counters["refusals"] > 0 and counters["refusals_with_room"] > 0
+    assert any(e["e"] == "engine" and e["kind"] == "refusal" for e in r.events)
+
+
+def test_a_refusal_that_leaves_a_trace_is_caught():
+    r = run("refcount-leak-clean", 0, "TracedRefusal")
+    assert r.verdict == "FAIL" and "block_accounting" in r.summary
+
+
+# -- the catch itself: without the expected checkers, every detect scenario is MISSED ---------
+@pytest.mark.parametrize("name", DETECT)
+def test_switching_off_the_expected_checkers_gives_missed(name):
+    sc = load_scenario(name)
+    r = run(sc)
+    assert r.verdict == "PASS", r.summary
+    end = next(e for e in r.events if e["e"] == "run_end")
+    _, v = evaluate(sc, r.events, end["fault_verify"], None, disabled=sc.expect.checkers)
+    assert v.verdict == "MISSED", v.summary
+
+
+def test_the_scenarios_above_are_valid_files(tmp_path):
+    """The edited scenarios round-trip as files a user could keep."""
+    sc = edited("staging-stall-clean", lambda d: d["faults"][0]["params"].update(at_step=5000))
+    path = tmp_path / "s.toml"
+    path.write_text(dumps(sc.model_dump(mode="json", exclude_none=True)))
+    assert load_scenario(path).faults[0].params["at_step"] == 5000
