@@ -176,3 +176,40 @@ def test_the_scenarios_above_are_valid_files(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text(dumps(sc.model_dump(mode="json", exclude_none=True)))
     assert load_scenario(path).faults[0].params["at_step"] == 5000
+
+
+# -- 8. the oracle trusts neither the engine's record nor the code it shares with it ---------------
+def test_an_engine_that_stores_a_mangled_prompt_is_caught(monkeypatch):
+    from kvchaos.engine.engine import Engine
+
+    real = Engine.add_request
+
+    def mangled(self, request_id, prompt, max_new_tokens):
+        prompt = list(prompt)
+        prompt[0] = (prompt[0] + 1) % self.config.model.vocab_size
+        return real(self, request_id, prompt, max_new_tokens)
+
+    monkeypatch.setattr(Engine, "add_request", mangled)
+    r = run("baseline-clean")
+    assert r.verdict == "FAIL", r.summary
+    kinds = {f.kind for f in r.findings if f.checker == "oracle_divergence"}
+    assert "prompt" in kinds
+
+
+def test_a_wrong_sign_in_the_shared_rotary_code_is_caught(monkeypatch):
+    """Engine and oracle share the model's forward: only the independent reference sees this."""
+    import torch
+
+    from kvchaos.engine.model import Model
+
+    def rope(self, x, cos, sin):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).to(x.dtype)
+
+    assert run("baseline-clean").verdict == "PASS"
+    monkeypatch.setattr(Model, "_rope", rope)
+    r = run("baseline-clean")
+    assert r.verdict == "FAIL", r.summary
+    assert [f.kind for f in r.findings] == ["shared_code"]
+    ref = next(e for e in r.events if e["e"] == "reference")
+    assert not ref["agrees"] and ref["checked"] > 1

@@ -58,9 +58,38 @@ def _of(events: list[dict], kind: str) -> list[dict]:
 
 
 def check_oracle_divergence(events: list[dict]) -> CheckResult:
+    """Each request's logits against the contiguous oracle, fed its planned prompt; the engine's
+    stored prompt against the plan; and the model code both share against an independent float64
+    reference (its "reference" event)."""
     found = []
     results = _of(events, "oracle")
+    for ref in _of(events, "reference"):
+        if not ref["agrees"]:
+            found.append(
+                Finding(
+                    "oracle_divergence",
+                    ref["step"],
+                    f"the model code the engine and the oracle share disagrees with an "
+                    f"independent float64 reference on request {ref['req']} from token "
+                    f"{ref['first_disagreement']} (max abs error {ref['max_abs_err']:.3g})",
+                    {k: ref[k] for k in ("req", "first_disagreement", "max_abs_err", "checked")},
+                    True,
+                    "shared_code",
+                )
+            )
     for o in results:
+        if o.get("prompt_mismatch_at") is not None:
+            found.append(
+                Finding(
+                    "oracle_divergence",
+                    o["step"],
+                    f"request {o['req']}: the engine stored a prompt that differs from the one "
+                    f"submitted, from token {o['prompt_mismatch_at']}",
+                    {"req": o["req"], "prompt_mismatch_at": o["prompt_mismatch_at"]},
+                    True,
+                    "prompt",
+                )
+            )
         if o["first_divergence"] is not None:
             found.append(
                 Finding(

@@ -16,6 +16,7 @@ from kvchaos.engine.sequence import State
 from kvchaos.faults import make_fault
 from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.oracle import Oracle
+from kvchaos.harness.judge.reference import cross_check
 from kvchaos.harness.judge.scenario import Scenario
 from kvchaos.harness.judge.telemetry import Telemetry
 from kvchaos.harness.judge.workload import build_plan
@@ -68,6 +69,9 @@ class LiveRun:
         self.oracle_results: list[dict] = []
         # requests done producing: (step, token steps, Oracle.check_many item)
         self.oracle_queue: list = []
+        # The oracle is fed each request's prompt as planned, never the engine's copy of it.
+        self.planned = {a.req: list(a.prompt) for a in self.plan.actions if a.op == "submit"}
+        self.cross_checked = False  # the shared model code against the reference, once a run
         self.telemetry = Telemetry.from_env(device)
 
     def snapshot(self, step: int) -> None:
@@ -153,6 +157,14 @@ class LiveRun:
                     }
                 )
             elif a.op == "fork":
+                parent = e.seqs[a.parent]
+                # the child continues the parent's planned prompt, its generated tokens (which the
+                # parent's own check verifies) and its own extra tokens
+                self.planned[a.req] = (
+                    self.planned.get(a.parent, parent.tokens[: parent.prompt_len])
+                    + parent.tokens[parent.prompt_len :]
+                    + list(a.prompt)
+                )
                 e.fork(a.parent, a.req, a.max_new, a.prompt)
                 self.h.append(
                     {
@@ -211,22 +223,43 @@ class LiveRun:
         steps = self.token_steps.pop(req, [])
         if rows:
             seq = self.engine.seqs[req]
+            planned = self.planned.get(req, seq.tokens[: seq.prompt_len])
+            stored = seq.tokens[: seq.prompt_len]
+            mismatch = next(
+                (i for i, (a, b) in enumerate(zip(stored, planned)) if a != b),
+                None if len(stored) == len(planned) else min(len(stored), len(planned)),
+            )
+            tokens = planned + seq.tokens[seq.prompt_len :]
             self.oracle_queue.append(
-                (step, steps, (req, list(seq.tokens), seq.prompt_len, torch.stack(rows)))
+                (step, steps, (req, tokens, len(planned), torch.stack(rows)), mismatch)
             )
             if len(self.oracle_queue) >= ORACLE_BATCH:
                 self._check_oracle_queue()
 
     def _check_oracle_queue(self) -> None:
         queue, self.oracle_queue = self.oracle_queue, []
-        for (step, steps, _), res in zip(queue, self.oracle.check_many([q[2] for q in queue])):
+        if queue and not self.cross_checked:
+            self._cross_check(queue[0])
+        for (step, steps, _, mismatch), res in zip(
+            queue, self.oracle.check_many([q[2] for q in queue])
+        ):
             r = res.to_dict()
             r["req"] = r.pop("request")
+            r["prompt_mismatch_at"] = mismatch
             r["divergence_step"] = (
                 steps[r["first_divergence"]] if r["first_divergence"] is not None else None
             )
             self.h.append({"e": "oracle", "step": step, **r})
             self.oracle_results.append(r)
+
+    def _cross_check(self, item) -> None:
+        """The model code the oracle shares with the engine, against an independent float64
+        reference, on the first request checked."""
+        self.cross_checked = True
+        step, _, (req, tokens, prompt_len, rows), _ = item
+        fed = tokens[: prompt_len + rows.shape[0] - 1]
+        res = cross_check(self.engine.model, fed, self.oracle.atol, self.oracle.rtol)
+        self.h.append({"e": "reference", "step": step, "req": req, **res})
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, deadline: float | None = None) -> str:

@@ -1,0 +1,71 @@
+"""An independent reference forward: the model's maths written again, plainly, in float64, sharing
+no code with kvchaos.engine.model (only its weights). The oracle shares the model's forward with
+the engine, so a bug there (a wrong sign in the rotary embedding, a swapped gate) would pass both;
+this cross-checks that shared code on a sample of every run."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, rotate-half layout: pair i is (x[i], x[i + d/2]), turned by pos * f_i."""
+    d = x.shape[-1]
+    freqs = torch.tensor([theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    angle = positions.to(torch.float64)[:, None] * freqs[None, :]  # [T, d/2]
+    c, s = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] (float64) after each prefix of `tokens`."""
+    cfg = model.cfg
+    f64 = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    group = h // hkv
+    t = len(tokens)
+    pos = torch.arange(t)
+    x = f64(model.embed)[torch.tensor(tokens)]
+    causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    for layer in model.layers:
+        qkv = _norm(x, f64(layer["attn_norm"]), cfg.rms_eps) @ f64(layer["qkv"]).T
+        q = qkv[:, : h * d].reshape(t, h, d)
+        k = qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d)
+        v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)
+        q, k = _rotate(q, pos, cfg.rope_theta), _rotate(k, pos, cfg.rope_theta)
+        heads = []
+        for i in range(h):
+            kv = i // group  # query heads share a KV head in consecutive groups
+            score = (q[:, i, :] @ k[:, kv, :].T) / math.sqrt(d)
+            score = score.masked_fill(~causal, float("-inf"))
+            heads.append(torch.softmax(score, dim=-1) @ v[:, kv, :])
+        x = x + torch.cat(heads, dim=-1) @ f64(layer["o"]).T
+        inter = cfg.intermediate_size
+        gu = _norm(x, f64(layer["mlp_norm"]), cfg.rms_eps) @ f64(layer["gate_up"]).T
+        gate, up = gu[:, :inter], gu[:, inter:]
+        x = x + (gate * torch.sigmoid(gate) * up) @ f64(layer["down"]).T
+    return _norm(x, f64(model.final_norm), cfg.rms_eps) @ f64(model.lm_head).T
+
+
+def cross_check(model, tokens: list[int], atol: float, rtol: float) -> dict:
+    """The shared forward (the oracle's path) against the reference on one token sequence."""
+    with torch.inference_mode():
+        hidden = model.forward_contiguous(torch.tensor([tokens], device=model.device))
+        shared = model.logits(hidden[0]).to("cpu", torch.float64)
+    ref = reference_logits(model, tokens)
+    err = (shared - ref).abs().amax(-1)
+    tol = atol + rtol * ref.abs().amax(-1)
+    bad = torch.nonzero(~(err <= tol)).flatten()
+    return {
+        "checked": len(tokens),
+        "max_abs_err": float(err.max()),
+        "agrees": not bad.numel(),
+        "first_disagreement": int(bad[0]) if bad.numel() else None,
+    }
