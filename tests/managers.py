@@ -163,3 +163,33 @@ class IndexErrorOnGrowth(BlockManager):
         if self.appends == 15:
             return [][1]
         return super().append(seq_id, n)
+
+
+class OutOfRangeSnapshot(BlockManager):
+    """Its snapshot lists a block id past the pool."""
+
+    def snapshot(self):
+        snap = super().snapshot()
+        if snap.seq_blocks:
+            seq = next(iter(snap.seq_blocks))
+            snap.seq_blocks[seq] = snap.seq_blocks[seq] + [snap.num_blocks + 5]
+        return snap
+
+
+class StaleSnapshot(BlockManager):
+    """snapshot() returns a copy cached at the first call: it looks healthy forever."""
+
+    cached = None
+
+    def snapshot(self):
+        if self.cached is None:
+            self.cached = super().snapshot()
+        return self.cached
+
+
+class MiscountsFree(BlockManager):
+    """num_free_blocks counts one block more than its own free list holds."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.pool.free) + 1

@@ -213,3 +213,12 @@ def test_a_wrong_sign_in_the_shared_rotary_code_is_caught(monkeypatch):
     assert [f.kind for f in r.findings] == ["shared_code"]
     ref = next(e for e in r.events if e["e"] == "reference")
     assert not ref["agrees"] and ref["checked"] > 1
+
+
+# -- 12. the manager's word about itself is checked ------------------------------------------
+@pytest.mark.parametrize("manager", ["OutOfRangeSnapshot", "StaleSnapshot", "MiscountsFree"])
+def test_a_snapshot_that_lies_is_a_finding_not_an_undecided_checker(manager):
+    r = run("baseline-clean", manager=manager)
+    assert r.verdict == "FAIL", r.summary
+    assert any(f.kind == "bad_snapshot" for f in r.findings), [f.message for f in r.findings]
+    assert all(c["status"] != "unknown" for c in r.results["checkers"])

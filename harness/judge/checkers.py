@@ -458,7 +458,8 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
 
 def check_manager_calls(events: list[dict]) -> CheckResult:
     """Every call into the block manager returned or refused: an exception escaping one is a bug
-    in the system under test (the call, its arguments and the traceback are its evidence)."""
+    in the system under test (the call, its arguments and the traceback are its evidence); so is
+    a snapshot that fails its own shape or the harness's record (snapshot_invalid events)."""
     found = [
         Finding(
             "manager_calls",
@@ -469,6 +470,16 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
             "exception",
         )
         for e in _of(events, "sut_error")
+    ] + [
+        Finding(
+            "manager_calls",
+            e["step"],
+            f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
+            {"problem": e["problem"]},
+            None,
+            "bad_snapshot",
+        )
+        for e in _of(events, "snapshot_invalid")
     ]
     calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
     return _result("manager_calls", found, calls)

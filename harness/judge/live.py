@@ -18,6 +18,7 @@ from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.oracle import Oracle
 from kvchaos.harness.judge.reference import cross_check
 from kvchaos.harness.judge.scenario import Scenario
+from kvchaos.harness.judge.snapshots import problem
 from kvchaos.harness.judge.telemetry import Telemetry
 from kvchaos.harness.judge.workload import build_plan
 
@@ -77,13 +78,13 @@ class LiveRun:
     def snapshot(self, step: int) -> None:
         e = self.engine
         self.snapped = step
+        snap = e.bm.snapshot()
+        wrong = problem(snap, e, self.cfg.cache.num_blocks)
+        if wrong:  # the manager's word fails its own shape or the harness's record: a finding
+            self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
+            return
         self.h.append(
-            {
-                "e": "snapshot",
-                "step": step,
-                **e.bm.snapshot().to_dict(),
-                "live": [s.id for s in e.running],
-            }
+            {"e": "snapshot", "step": step, **snap.to_dict(), "live": [s.id for s in e.running]}
         )
 
     def arm(self) -> None:

@@ -1,0 +1,57 @@
+"""A block manager's snapshot is its word about itself: checked, as it is taken, against its own
+shape and against what the harness itself knows (the pool it configured, the manager's counts,
+the tokens the engine computed for each live request). A snapshot that fails is not handed to
+the checkers; its problem becomes a finding against the manager."""
+
+from __future__ import annotations
+
+
+def problem(snap, engine, num_blocks: int) -> str | None:
+    """What is wrong with a snapshot, in one line, or None."""
+    try:
+        d = snap.to_dict()
+    except Exception as e:  # not a Snapshot at all
+        return f"snapshot() returned {type(snap).__name__}, not a Snapshot ({e})"
+    n, free, refs = d.get("num_blocks"), d.get("free"), d.get("ref_counts")
+    if n != num_blocks:
+        return f"num_blocks is {n!r}, the pool was configured with {num_blocks}"
+    if not _ints(free, 0, n) or len(set(free)) != len(free):
+        return "free is not a list of distinct block ids in the pool"
+    if not _ints(refs, 0, None) or len(refs) != n:
+        return f"ref_counts is not {n} non-negative ints"
+    blocks, rows = d.get("seq_blocks"), d.get("seq_rows")
+    if not isinstance(blocks, dict) or not all(
+        isinstance(k, str) and _ints(v, 0, n) for k, v in blocks.items()
+    ):
+        return "seq_blocks does not map sequence ids to block ids in the pool"
+    table, width = d.get("table"), d.get("table_width")
+    if not isinstance(width, int) or width < 1 or not _ints(table, -1, n):
+        return "table is not a list of block ids (or -1) with a positive table_width"
+    if len(table) % width:
+        return f"table has {len(table)} entries, not a multiple of its width {width}"
+    nrows = len(table) // width
+    if not isinstance(rows, dict) or not all(
+        isinstance(r, int) and 0 <= r < nrows for r in rows.values()
+    ):
+        return f"seq_rows does not map sequences to rows in [0, {nrows})"
+    said = engine.bm.num_free_blocks
+    if said != len(free):
+        return f"num_free_blocks says {said}, the snapshot lists {len(free)} free blocks"
+    bs = engine.bm.block_size
+    for seq in engine.running:  # every token the engine computed has a slot the snapshot lists
+        have = len(blocks.get(seq.id, ())) * bs
+        if seq.num_computed > have:
+            return (
+                f"sequence {seq.id} has {seq.num_computed} tokens computed, the snapshot lists "
+                f"blocks for {have}"
+            )
+    return None
+
+
+def _ints(xs, lo: int, hi: int | None) -> bool:
+    if not isinstance(xs, list):
+        return False
+    return all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= lo and (hi is None or x < hi)
+        for x in xs
+    )
