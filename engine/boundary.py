@@ -36,12 +36,16 @@ class Boundary:
     def __init__(self, manager) -> None:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
+        object.__setattr__(self, "calls", dict.fromkeys(CALLS, 0))  # calls made, by name
         for name in CALLS:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
 
     def _guard(self, name: str, fn):
+        calls = self.calls
+
         def call(*args, **kw):
+            calls[name] += 1
             if kw:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
             object.__setattr__(self, "in_progress", (name, args))

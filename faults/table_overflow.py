@@ -77,7 +77,8 @@ class TableOverflow(Fault):
                     "submit",
                     "edge_over",
                     plan.prompt(cap // 2),
-                    cap - cap // 2 + 1,
+                    # the last generated token's KV is never stored: one more makes it spill
+                    cap - cap // 2 + 2,
                     origin=self.name,
                 )
             )

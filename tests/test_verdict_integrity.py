@@ -222,3 +222,58 @@ def test_a_snapshot_that_lies_is_a_finding_not_an_undecided_checker(manager):
     assert r.verdict == "FAIL", r.summary
     assert any(f.kind == "bad_snapshot" for f in r.findings), [f.message for f in r.findings]
     assert all(c["status"] != "unknown" for c in r.results["checkers"])
+
+
+# -- 9. reach ------------------------------------------------------------------------------------
+def test_edge_over_really_spills_by_one_block():
+    r = run("table-overflow-detect")
+    assert {f.evidence["req"] for f in r.findings if f.kind == "overlong"} >= {"edge_over"}
+
+
+def test_two_sequences_mapped_to_one_row_are_a_finding():
+    from kvchaos.harness.judge.checkers import check_table_integrity
+
+    snap = {
+        "e": "snapshot",
+        "step": 4,
+        "num_blocks": 8,
+        "free": [3, 4, 5, 6, 7],
+        "ref_counts": [1, 1, 1, 0, 0, 0, 0, 0],
+        "seq_blocks": {"a": [0, 1], "b": [2]},
+        "seq_rows": {"a": 0, "b": 0},
+        "table": [0, 1, -1, -1, -1, -1, -1, -1],
+        "table_width": 4,
+        "live": ["a", "b"],
+    }
+    r = check_table_integrity([snap])
+    assert "shared_row" in {f.kind for f in r.findings}
+
+
+def test_a_request_that_fits_but_is_refused_is_a_finding(monkeypatch):
+    """edge_fit is exactly one full row: an off-by-one admission that refuses it is a bug."""
+    from kvchaos.engine.engine import Engine
+    from kvchaos.engine.errors import RequestRejected
+
+    real = Engine._validate
+
+    def off_by_one(self, request_id, tokens, max_new_tokens):
+        if len(tokens) + max_new_tokens >= self.config.cache.max_tokens_per_seq:
+            self.counters["overlong_rejected"] += 1
+            raise RequestRejected(f"request {request_id!r}: too long")
+        return real(self, request_id, tokens, max_new_tokens)
+
+    monkeypatch.setattr(Engine, "_validate", off_by_one)
+    r = run("table-overflow-clean")
+    assert r.verdict == "FAIL", r.summary
+    wrong = [f for f in r.findings if f.kind == "wrong_refusal"]
+    assert "edge_fit" in {f.evidence["req"] for f in wrong}  # the neighbours fill a row too
+    assert all(f.evidence["blocks"] <= f.evidence["width"] for f in wrong)
+
+
+def test_a_pass_says_which_manager_paths_it_exercised():
+    r = run("mixed-clean")
+    paths = r.results["exercised"]
+    assert paths["forks"] > 0 and paths["copy_on_write_copies"] > 0 and paths["row_reuses"] > 0
+    assert r.verdict == "PASS" and all(p in r.summary for p in paths["not_exercised"])
+    r = run("baseline-clean", manager="NoFork")
+    assert r.results["exercised"]["forks"] > 0 and r.results["exercised"]["fork_calls"] > 0

@@ -7,54 +7,10 @@ from __future__ import annotations
 
 import statistics
 import traceback
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-
-@dataclass
-class Finding:
-    checker: str
-    step: int
-    message: str
-    evidence: dict = field(default_factory=dict)
-    manifest: bool | None = (
-        None  # True: outputs diverged; False: latent (structure only); None: n/a
-    )
-    kind: str = ""  # short tag, part of the incident fingerprint
-    known_at: int | None = None  # the step the check that found it ran (None: at `step`)
-
-    @property
-    def known(self) -> int:
-        return self.step if self.known_at is None else self.known_at
-
-
-@dataclass
-class CheckResult:
-    checker: str
-    # True held, False findings, None: could not decide (error set) or had nothing to judge
-    valid: bool | None
-    findings: list[Finding] = field(default_factory=list)
-    error: str | None = None
-    checked: int = 0  # how many things it looked at (steps, snapshots, requests)
-
-    @property
-    def status(self) -> str:
-        if self.valid is None:
-            return "unknown" if self.error else "not judged"
-        return "held" if self.valid else "fired"
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "status": self.status}
-
-
-def _result(name: str, findings: list[Finding], checked: int) -> CheckResult:
-    """A checker that looked at nothing never held: it was not judged."""
-    findings.sort(key=lambda f: f.step)
-    return CheckResult(name, not findings if checked or findings else None, findings, None, checked)
-
-
-def _of(events: list[dict], kind: str) -> list[dict]:
-    return [e for e in events if e.get("e") == kind]
+from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.judge.manager_checks import check_admission, check_manager_calls
 
 
 def check_oracle_divergence(events: list[dict]) -> CheckResult:
@@ -237,7 +193,21 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
     for e in _of(events, "snapshot"):
         snaps += 1
         table, w, s = e["table"], e["table_width"], e["step"]
-        owner = {row: req for req, row in e["seq_rows"].items()}
+        owner: dict[int, str] = {}
+        for req, row in e["seq_rows"].items():
+            if row in owner and ("shared_row", row, owner[row], req) not in reported:
+                reported.add(("shared_row", row, owner[row], req))
+                found.append(
+                    Finding(
+                        "table_integrity",
+                        s,
+                        f"requests {owner[row]} and {req} are both mapped to row {row}",
+                        {"row": row, "owner": owner[row], "req": req},
+                        False,
+                        "shared_row",
+                    )
+                )
+            owner[row] = req
         for row in range(len(table) // w):
             got = table[row * w : (row + 1) * w]
             req = owner.get(row)
@@ -456,35 +426,6 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
     return _result("liveness", found, len(submitted))
 
 
-def check_manager_calls(events: list[dict]) -> CheckResult:
-    """Every call into the block manager returned or refused: an exception escaping one is a bug
-    in the system under test (the call, its arguments and the traceback are its evidence); so is
-    a snapshot that fails its own shape or the harness's record (snapshot_invalid events)."""
-    found = [
-        Finding(
-            "manager_calls",
-            e["step"],
-            f"{e['call']} raised {e['error']}: {e['message']}",
-            {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")},
-            None,
-            "exception",
-        )
-        for e in _of(events, "sut_error")
-    ] + [
-        Finding(
-            "manager_calls",
-            e["step"],
-            f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
-            {"problem": e["problem"]},
-            None,
-            "bad_snapshot",
-        )
-        for e in _of(events, "snapshot_invalid")
-    ]
-    calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
-    return _result("manager_calls", found, calls)
-
-
 CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "oracle_divergence": check_oracle_divergence,
     "block_accounting": check_block_accounting,
@@ -493,6 +434,7 @@ CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "cross_rank": check_cross_rank,
     "liveness": check_liveness,
     "manager_calls": check_manager_calls,
+    "admission": check_admission,
 }
 
 

@@ -333,6 +333,7 @@ class LiveRun:
                 "step": self.engine.step_count,
                 "reason": reason,
                 "counters": dict(self.engine.counters),
+                "manager_calls": dict(self.engine.bm.calls),
                 "fault_verify": verify,
                 "telemetry": self.telemetry.summary(),
             }

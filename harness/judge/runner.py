@@ -17,6 +17,7 @@ import torch
 
 from kvchaos.engine.boundary import ManagerError, describe
 from kvchaos.harness.judge.checkers import run_checkers
+from kvchaos.harness.judge.exercised import exercised
 from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.live import LiveRun
 from kvchaos.harness.judge.scenario import Scenario
@@ -168,6 +169,9 @@ def run_scenario(
     history.close()
     events = history.events
     checks, v = evaluate(sc, events, verify, error)
+    paths = exercised(events)
+    if v.verdict == "PASS" and paths["not_exercised"]:  # a PASS says what it did not cover
+        v.summary += f"; not exercised: {', '.join(paths['not_exercised'])}"
     results = {
         "scenario": sc.name,
         "seed": seed,
@@ -191,6 +195,7 @@ def run_scenario(
         "checkers": [c.to_dict() for c in checks],
         "history_digest": history.digest(),
         "metrics": _metrics(events),
+        "exercised": paths,
         "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
     }
     if (

@@ -29,6 +29,7 @@ CHECKERS = (
     "cross_rank",
     "liveness",
     "manager_calls",
+    "admission",
 )
 
 

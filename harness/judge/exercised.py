@@ -1,0 +1,44 @@
+"""What a run exercised of the block manager: a PASS on a manager whose fork path never ran must
+say so. Read from the history alone (a stored run gives the same table)."""
+
+from __future__ import annotations
+
+PHASES = ("waiting", "prefill", "decode", "preempted", "shared")
+
+
+def exercised(events: list[dict]) -> dict:
+    """Path -> how often it ran; "not exercised" lists the paths that never did."""
+    end = next((e for e in reversed(events) if e.get("e") == "run_end"), {})
+    counters, calls = end.get("counters", {}), end.get("manager_calls", {})
+    cancels = [e for e in events if e.get("e") == "cancel"]
+    crossings = row_reuses = 0
+    seen_blocks: dict[str, int] = {}
+    row_owner: dict[int, str] = {}
+    for e in events:
+        if e.get("e") != "snapshot":
+            continue
+        for seq, blocks in e["seq_blocks"].items():
+            crossings += max(0, len(blocks) - seen_blocks.get(seq, 0))
+            seen_blocks[seq] = len(blocks)
+        for seq, row in e["seq_rows"].items():
+            if row_owner.get(row, seq) != seq:
+                row_reuses += 1
+            row_owner[row] = seq
+    forks = sum(1 for e in events if e.get("e") == "submit" and e.get("parent"))
+    paths = {
+        "appends": calls.get("append", 0) + calls.get("append_decode", 0),
+        "block_boundary_crossings": crossings,
+        "forks": forks,
+        "fork_calls": calls.get("fork", 0),
+        "copy_on_write_copies": counters.get("cow_copies", 0),
+        "frees": calls.get("free", 0),
+        "frees_of_shared_blocks": sum(1 for c in cancels if c.get("shared")),
+        **{f"cancels_{p}": sum(1 for c in cancels if c.get("phase") == p) for p in PHASES[:4]},
+        "preemption_releases": counters.get("preemptions", 0),
+        "refusals": counters.get("refusals", 0),
+        "refusals_with_room": counters.get("refusals_with_room", 0),
+        "resizes": counters.get("table_resizes", 0),
+        "row_reuses": row_reuses,
+    }
+    paths["not_exercised"] = [k for k, v in paths.items() if v == 0 and not k.startswith("refus")]
+    return paths

@@ -1,0 +1,72 @@
+"""Checkers of the block manager's conduct at its boundary with the engine: exceptions escaping
+its calls, snapshots that fail their own shape, and admission answers the harness can recompute."""
+
+from __future__ import annotations
+
+from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
+
+
+def check_manager_calls(events: list[dict]) -> CheckResult:
+    """Every call into the block manager returned or refused: an exception escaping one is a bug
+    in the system under test (the call, its arguments and the traceback are its evidence); so is
+    a snapshot that fails its own shape or the harness's record (snapshot_invalid events)."""
+    found = [
+        Finding(
+            "manager_calls",
+            e["step"],
+            f"{e['call']} raised {e['error']}: {e['message']}",
+            {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")},
+            None,
+            "exception",
+        )
+        for e in _of(events, "sut_error")
+    ] + [
+        Finding(
+            "manager_calls",
+            e["step"],
+            f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
+            {"problem": e["problem"]},
+            None,
+            "bad_snapshot",
+        )
+        for e in _of(events, "snapshot_invalid")
+    ]
+    calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
+    return _result("manager_calls", found, calls)
+
+
+def check_admission(events: list[dict]) -> CheckResult:
+    """A request refused as too long ("429") must really be: past the model's positions, the
+    pool, or (refusing, not resizing) a table row. One that fits must be admitted (and served:
+    liveness sees that)."""
+    start = next(iter(_of(events, "run_start")), {})
+    cfg = start.get("config", {})
+    cache, model = cfg.get("cache", {}), cfg.get("model", {})
+    bs, width = cache.get("block_size", 16), cache.get("max_blocks_per_seq", 0)
+    plan = {a["req"]: a for a in start.get("plan", []) if a.get("op") == "submit"}
+    found, judged = [], 0
+    for e in _of(events, "reject"):
+        a = plan.get(e["req"])
+        if e.get("error") != "RequestRejected" or a is None:
+            continue
+        judged += 1
+        total = a["prompt_len"] + a["max_new"]
+        blocks = -(-total // bs)
+        too_long = (
+            total > model.get("max_position", total)
+            or blocks > cache.get("num_blocks", blocks)
+            or (blocks > width and cache.get("overflow_policy", "reject") == "reject")
+        )
+        if not too_long:
+            found.append(
+                Finding(
+                    "admission",
+                    e["step"],
+                    f"request {e['req']} ({total} tokens, {blocks} blocks of a {width}-block "
+                    f"row) was refused as too long, yet it fits: {e.get('message', '')}",
+                    {"req": e["req"], "tokens": total, "blocks": blocks, "width": width},
+                    None,
+                    "wrong_refusal",
+                )
+            )
+    return _result("admission", found, judged)
