@@ -248,4 +248,5 @@ class BlockManager:
             seq_rows=dict(self.rows),
             table=self.table.host.tolist(),
             table_width=self.table.width,
+            seq_tokens=dict(self.num_tokens),
         )

@@ -34,9 +34,13 @@ class Snapshot:
     seq_rows: dict[str, int]
     table: list[int]
     table_width: int
+    # Optional: tokens each sequence has slots for. With it a checker sees a write into a block
+    # that another sequence still shares (a missed copy-on-write); without it, that is not judged.
+    seq_tokens: dict[str, int] | None = None
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)  # shallow: snapshot() already hands out fresh lists
+        # shallow: snapshot() already hands out fresh lists; optional fields only when given
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @runtime_checkable

@@ -193,3 +193,18 @@ class MiscountsFree(BlockManager):
     @property
     def num_free_blocks(self) -> int:
         return len(self.pool.free) + 1
+
+
+class SkipsCopyOnWrite(BlockManager):
+    """Appending to a shared, partly filled last block writes into it: no copy is made."""
+
+    def append(self, seq_id, n):
+        blocks, b, saved = self.blocks.get(seq_id), None, 0
+        if blocks and self.num_tokens[seq_id] % self.block_size:
+            b = blocks[-1]
+            saved, self.pool.ref[b] = self.pool.ref[b], 1
+        try:
+            return super().append(seq_id, n)
+        finally:
+            if b is not None:
+                self.pool.ref[b] = saved

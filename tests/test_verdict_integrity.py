@@ -277,3 +277,10 @@ def test_a_pass_says_which_manager_paths_it_exercised():
     assert r.verdict == "PASS" and all(p in r.summary for p in paths["not_exercised"])
     r = run("baseline-clean", manager="NoFork")
     assert r.results["exercised"]["forks"] > 0 and r.results["exercised"]["fork_calls"] > 0
+
+
+def test_a_write_into_a_shared_block_is_seen_from_the_token_counts():
+    r = run("mixed-clean", manager="SkipsCopyOnWrite")
+    assert r.verdict == "FAIL", r.summary
+    shared = [f for f in r.findings if f.kind == "shared_write"]
+    assert shared and all(f.evidence["refs"] > 1 for f in shared)

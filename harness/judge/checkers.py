@@ -76,10 +76,14 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
 
 def check_block_accounting(events: list[dict]) -> CheckResult:
     """Conservation (free + referenced == total), refcounts == references, no referenced free block,
-    no blocks held by a request that has ended (a leak, blamed on the cancel that ended it)."""
+    no blocks held by a request that has ended (a leak, blamed on the cancel that ended it), and,
+    where snapshots carry per-sequence token counts, no new tokens written into a shared block."""
     found, ended, cancels = [], {}, {}
     snaps = 0
     seen_leaks: set[str] = set()
+    start = next(iter(_of(events, "run_start")), {})
+    bs = start.get("config", {}).get("cache", {}).get("block_size")
+    tokens: dict[str, int] = {}
     for e in events:
         kind = e.get("e")
         if kind == "cancel":
@@ -123,6 +127,9 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                         "refcount",
                     )
                 )
+            if bs and e.get("seq_tokens") is not None:
+                found += _shared_writes(e, tokens, bs)
+                tokens = e["seq_tokens"]
             busy = [b for b in free if ref[b] != 0]
             if busy:
                 found.append(
@@ -184,6 +191,30 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                 )
             )
     return _result("block_accounting", found, snaps)
+
+
+def _shared_writes(snap: dict, before: dict[str, int], bs: int) -> list[Finding]:
+    """Blocks that receive a sequence's new tokens while another sequence holds them too."""
+    out = []
+    ref = snap["ref_counts"]
+    for req, now in snap["seq_tokens"].items():
+        was = before.get(req, now)  # a new (or forked) sequence: no write judged yet
+        blocks = snap["seq_blocks"].get(req, [])
+        for i in range(was // bs, -(-now // bs)) if now > was else ():
+            if i < len(blocks) and ref[blocks[i]] > 1:
+                out.append(
+                    Finding(
+                        "block_accounting",
+                        snap["step"],
+                        f"request {req} writes tokens {was}..{now - 1} into block {blocks[i]}, "
+                        f"which {ref[blocks[i]] - 1} other sequence(s) still share: a missed "
+                        "copy-on-write",
+                        {"req": req, "block": blocks[i], "index": i, "refs": ref[blocks[i]]},
+                        False,
+                        "shared_write",
+                    )
+                )
+    return out
 
 
 def check_table_integrity(events: list[dict]) -> CheckResult:

@@ -34,6 +34,11 @@ def problem(snap, engine, num_blocks: int) -> str | None:
         isinstance(r, int) and 0 <= r < nrows for r in rows.values()
     ):
         return f"seq_rows does not map sequences to rows in [0, {nrows})"
+    toks = d.get("seq_tokens")
+    if toks is not None and not (
+        isinstance(toks, dict) and all(_ints([v], 0, None) for v in toks.values())
+    ):
+        return "seq_tokens (optional) does not map sequences to token counts"
     said = engine.bm.num_free_blocks
     if said != len(free):
         return f"num_free_blocks says {said}, the snapshot lists {len(free)} free blocks"
