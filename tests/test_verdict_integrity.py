@@ -284,3 +284,15 @@ def test_a_write_into_a_shared_block_is_seen_from_the_token_counts():
     assert r.verdict == "FAIL", r.summary
     shared = [f for f in r.findings if f.kind == "shared_write"]
     assert shared and all(f.evidence["refs"] > 1 for f in shared)
+
+
+# -- 6. known-at: when the harness knew ----------------------------------------------------------
+@pytest.mark.parametrize("name, seed", [("table-overflow-detect", 0), ("ordering-race-detect", 1)])
+def test_a_divergence_is_known_within_eight_steps_whatever_the_batching(name, seed):
+    r = run(name, seed)
+    diverged = [f for f in r.findings if f.checker == "oracle_divergence"]
+    assert diverged and all(0 <= f.known - f.step < 8 for f in diverged), [
+        (f.step, f.known) for f in diverged
+    ]
+    reported = [f.evidence["req"] for f in diverged]
+    assert len(reported) == len(set(reported))  # one finding a request

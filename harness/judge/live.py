@@ -25,6 +25,9 @@ from kvchaos.harness.judge.workload import build_plan
 # Requests that produce no more tokens wait for the oracle in a queue, checked in padded passes
 # of up to this many (the reference model's cost is mostly per op); the rest at the run's end.
 ORACLE_BATCH = 16
+# Live requests are checked at least this often, so when a divergence is known does not depend on
+# the batching above: a request found diverged is reported then, and checked no more.
+ORACLE_EVERY = 8
 
 
 class LiveRun:
@@ -73,6 +76,7 @@ class LiveRun:
         # The oracle is fed each request's prompt as planned, never the engine's copy of it.
         self.planned = {a.req: list(a.prompt) for a in self.plan.actions if a.op == "submit"}
         self.cross_checked = False  # the shared model code against the reference, once a run
+        self.known_diverged: set[str] = set()  # reported by a live check: not collected again
         self.telemetry = Telemetry.from_env(device)
 
     def snapshot(self, step: int) -> None:
@@ -218,10 +222,11 @@ class LiveRun:
             )
         return True
 
-    def _oracle(self, req: str, step: int) -> None:
-        """Queue a request that will produce no more tokens for the oracle; checked in batches."""
-        rows = self.logits.pop(req, [])
-        steps = self.token_steps.pop(req, [])
+    def _oracle(self, req: str, step: int, keep: bool = False) -> None:
+        """Queue a request that will produce no more tokens for the oracle; checked in batches.
+        keep: a live request's check so far (its rows stay for the next)."""
+        rows = self.logits.get(req, []) if keep else self.logits.pop(req, [])
+        steps = list(self.token_steps.get(req, [])) if keep else self.token_steps.pop(req, [])
         if rows:
             seq = self.engine.seqs[req]
             planned = self.planned.get(req, seq.tokens[: seq.prompt_len])
@@ -234,16 +239,38 @@ class LiveRun:
             self.oracle_queue.append(
                 (step, steps, (req, tokens, len(planned), torch.stack(rows)), mismatch)
             )
-            if len(self.oracle_queue) >= ORACLE_BATCH:
+            if len(self.oracle_queue) >= ORACLE_BATCH and not keep:
                 self._check_oracle_queue()
+
+    def _check_live(self, step: int) -> None:
+        """The queue, then every request still producing tokens, on what it produced so far."""
+        self._check_oracle_queue()
+        live = [r for r in self.logits if self.logits[r]]
+        if not live:
+            return
+        for req in live:
+            self._oracle(req, step, keep=True)
+        queue, self.oracle_queue = self.oracle_queue, []
+        self._check(queue, report_held=False)
 
     def _check_oracle_queue(self) -> None:
         queue, self.oracle_queue = self.oracle_queue, []
+        self._check(queue)
+
+    def _check(self, queue: list, report_held: bool = True) -> None:
+        """Check queued requests in padded passes and record them; report_held=False (a live
+        request's check so far) records only the diverged, which are then checked no more."""
         if queue and not self.cross_checked:
             self._cross_check(queue[0])
         for (step, steps, _, mismatch), res in zip(
             queue, self.oracle.check_many([q[2] for q in queue])
         ):
+            if not report_held:
+                if res.first_divergence is None and mismatch is None:
+                    continue
+                self.logits.pop(res.request, None)  # known now: never checked (or told) again
+                self.token_steps.pop(res.request, None)
+                self.known_diverged.add(res.request)
             r = res.to_dict()
             r["req"] = r.pop("request")
             r["prompt_mismatch_at"] = mismatch
@@ -307,10 +334,14 @@ class LiveRun:
                 }
             )
             for req, row in out.logits.items():
+                if req in self.known_diverged:
+                    continue
                 self.logits.setdefault(req, []).append(row)
                 self.token_steps.setdefault(req, []).append(st.step)
             for req in out.finished:
                 self._oracle(req, st.step)
+            if st.step % ORACLE_EVERY == 0:
+                self._check_live(st.step)
             h.flush()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run exceeded its time limit at step {st.step}")
