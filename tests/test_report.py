@@ -3,12 +3,16 @@ detect scenarios (one seed each) and a clean run."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
+from kvchaos.engine.block_manager import BlockManager
 from kvchaos.faults import REGISTRY
 from kvchaos.harness.cli import main as cli_main
 from kvchaos.harness.judge.history import read_history
@@ -16,21 +20,13 @@ from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
 from kvchaos.harness.report import index as report_index
 from kvchaos.harness.report import render
+from kvchaos.harness.report.paths import rel, rel_command
 from kvchaos.harness.report.render import publish
 
-SECTIONS = [
-    "Verdict",
-    "Summary",
-    "Impact",
-    "Trigger",
-    "Detection",
-    "Root cause",
-    "Remediation",
-    "Timeline",
-    "Reproduction",
-    "Minimal reproducer",
-    "What held",
-]
+SECTIONS = (
+    "Verdict, Summary, Impact, Trigger, Detection, Root cause, Remediation, Timeline, "
+    "Reproduction, Minimal reproducer, What held"
+).split(", ")
 DETECT = {
     "table-overflow-detect": "table_overflow",
     "refcount-leak-detect": "refcount_leak",
@@ -110,13 +106,13 @@ def test_every_section_is_there_and_filled_from_the_run(runs, name):
     # reproduction: the exact command, seed, commit and config hash of this run
     rep = inc["reproduction"]
     assert (rep["command"], rep["seed"], rep["commit"], rep["config_hash"]) == (
-        r.results["replay"],
+        rel_command(r.results["replay"]),
         0,
         start["commit"],
         start["config_hash"],
     )
     assert rep["command"] in sec["Reproduction"] and start["config_hash"] in sec["Reproduction"]
-    assert sec["Minimal reproducer"] == f"not shrunk yet: run `kvchaos shrink {r.run_dir}`"
+    assert sec["Minimal reproducer"] == f"not shrunk yet: run `kvchaos shrink {rel(r.run_dir)}`"
     held = [c["checker"] for c in r.results["checkers"] if c["valid"] is True]
     assert [c["checker"] for c in inc["what_held"]] == held and all(
         f"- {c} (" in sec["What held"] for c in held
@@ -212,8 +208,8 @@ def test_clean_run_writes_no_incident_and_the_index_lists_every_run(runs):
     assert r.results["incidents"] == [] and not list(r.run_dir.glob("incident-*.md"))
     html = (r.run_dir / "report.html").read_text()
     assert "None: nothing to write up" in html and "data:image/png;base64," not in html
-    for name in DETECT:  # by default only runs that did not pass get the figure; analyze draws it
-        assert "data:image/png;base64," not in (out[name].run_dir / "report.html").read_text()
+    for name in DETECT:  # every run with a finding gets its figure by default, caught ones too
+        assert '<img class="plot"' in (out[name].run_dir / "report.html").read_text(), name
     index = (d / "index.html").read_text()
     order = [index.index(f"{x.run_dir.name}/report.html") for x in out.values()]
     assert order == sorted(order, reverse=True)  # newest first: the clean run was the last one
@@ -228,14 +224,9 @@ def test_analyze_reproduces_the_stored_verdict_and_findings(runs, tmp_path, caps
         assert cli_main(["analyze", str(copy)]) == 0
         again = json.loads((copy / "results.json").read_text())
         stored = json.loads((r.run_dir / "results.json").read_text())
-        for k in (
-            "verdict",
-            "summary",
-            "checkers",
-            "time_to_detect_steps",
-            "fault_verify",
-            "history_digest",
-        ):
+        for (
+            k
+        ) in "verdict summary checkers time_to_detect_steps fault_verify history_digest".split():
             assert again[k] == stored[k], (name, k)
         assert [i["title"] for i in again["incidents"]] == [i["title"] for i in stored["incidents"]]
         assert sorted(p.name for p in copy.glob("incident-*.md")) == [
@@ -330,10 +321,16 @@ def test_error_run_becomes_an_incident(tmp_path, monkeypatch):
     (inc,) = r.results["incidents"]
     assert inc["kind"] == "error" and "needs engine.tp_size >= 2" in inc["title"]
     assert inc["root_cause"]["status"] == "suspected" and "ValueError" in inc["root_cause"]["text"]
-    assert (r.run_dir / "incident-001.md").is_file()
-    assert (
-        "data:image/png" not in (r.run_dir / "report.html").read_text()
-    )  # broke before its first step
+    # the traceback itself, from the history's error event, in the incident and report.html
+    tb = next(e for e in read_history(r.run_dir / "history.jsonl") if e["e"] == "error")
+    assert inc["error"]["traceback"] == tb["traceback"].rstrip() and "ValueError" in tb["traceback"]
+    md = (r.run_dir / "incident-001.md").read_text()
+    html = (r.run_dir / "report.html").read_text()
+    last = tb["traceback"].strip().splitlines()[-1]
+    for text in (md, html):
+        assert "Traceback (most recent call last)" in text and "see history.jsonl" not in text
+        assert last.replace(">", "&gt;") in text or last in text
+    assert "data:image/png" not in html  # broke before its first step
 
 
 def test_a_bad_plots_setting_is_one_clear_error(runs, tmp_path, monkeypatch):
@@ -341,7 +338,7 @@ def test_a_bad_plots_setting_is_one_clear_error(runs, tmp_path, monkeypatch):
     r = runs[1]["baseline-clean"]
     with pytest.raises(
         ValueError,
-        match="KVCHAOS_PLOTS='sometimes': expected one of failures, incidents, all, none",
+        match="KVCHAOS_PLOTS='sometimes': expected one of findings, failures, incidents, all, none",
     ):
         render.write_reports(r.run_dir, json.loads((r.run_dir / "results.json").read_text()))
 
@@ -375,3 +372,151 @@ def test_latest_falls_back_to_a_text_file_without_symlinks(runs, tmp_path, monke
     assert not (tmp_path / "latest").exists() and not list(tmp_path.glob(".latest*"))
     index = (tmp_path / "index.html").read_text()
     assert all(f'href="{r.run_dir.name}/report.html"' in index for r in out.values())
+
+
+class LeakyBM(BlockManager):
+    """A user's block manager that leaks: free() releases nothing while a block is shared."""
+
+    def free(self, seq_id):
+        blocks = self.blocks.get(seq_id)
+        if blocks and any(self.pool.ref[b] > 1 for b in blocks):
+            return True
+        return super().free(seq_id)
+
+
+@pytest.fixture(scope="module")
+def leaky(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(render.PLOTS_ENV, raising=False)
+        sc = load_scenario("refcount-leak-clean")  # trigger only: nothing of the fault's leaks
+        d = tmp_path_factory.mktemp("leaky")
+        r = publish(run_scenario(sc, 0, device="cpu", report_dir=d, block_manager=LeakyBM))
+    assert r.verdict == "FAIL", r.summary
+    return r
+
+
+def test_a_leaky_block_manager_gets_one_story_in_every_section(leaky):
+    (inc,) = leaky.results["incidents"]
+    md = (leaky.run_dir / inc["file"]).read_text()
+    sec = _sections(md)
+    # the evidence: the blocks each leak finding names, and the pool's count at the end
+    ev = [e for e in inc["detection"]["evidence"] if e["type"] == "leak"]
+    blocks = sorted({b for e in ev for b in e["blocks"]})
+    acct = next(c for c in leaky.results["checkers"] if c["checker"] == "block_accounting")
+    end = next(f["evidence"] for f in acct["findings"] if f["kind"] == "end_leak")
+    assert len(blocks) == end["total"] - end["free"] > 0
+    bl = inc["impact"]["blocks_leaked"]
+    assert bl["count"] == len(blocks) and bl["blocks"] == blocks
+    assert bl["matches_fault_verify"] is None and bl["trigger_only_fault"] == "refcount_leak"
+    # a bug found in the system under test, titled so; every section says the same numbers
+    assert inc["kind"] == "bug" and inc["title"].startswith("bug found: block_accounting")
+    assert f"{len(blocks)} blocks leaked in {__name__}:LeakyBM" in inc["title"]
+    assert "false alarm" not in md.lower()
+    affected = {a["req"] for a in inc["impact"]["requests_affected"]}
+    assert affected == {e["req"] for e in ev}
+    assert f"requests affected: {len(affected)}; " in sec["Summary"]
+    assert f"blocks leaked: {len(blocks)};" in sec["Summary"] and "verify" not in sec["Summary"]
+    assert f"Blocks leaked: {len(blocks)} {blocks}" in sec["Impact"]
+    assert f"{end['total'] - end['free']} blocks never returned" in sec["Impact"]
+    assert "matches" not in sec["Impact"] and "planted no defect" in sec["Impact"]
+    # nothing fired, so no firing step and no time to detect is claimed
+    assert "the fault first fired" not in sec["Detection"] and "no planted defect fired" in md
+    for e in ev:  # a request that finished (not cancelled) is not said to be cancelled
+        assert ("cancel at step" in e["text"]) == bool(e["cancel"])
+        assert e["cancel"] or f"finished at step {e['finished_step']}" in e["text"]
+    # report.html tells the same story, with its figure drawn by default
+    html = (leaky.run_dir / "report.html").read_text()
+    assert inc["title"] in html and inc["summary"] in html and '<img class="plot"' in html
+    assert f"{len(blocks)} {blocks} held by" in html and "does NOT match" not in html
+
+
+def test_a_recorded_false_alarm_renders_as_a_bug_found(leaky, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(leaky.run_dir, copy)
+    results = json.loads((copy / "results.json").read_text())
+    results["verdict"] = "FALSE_ALARM"  # what older releases recorded
+    render.write_reports(copy, results, plots=False)
+    (inc,) = results["incidents"]
+    assert results["verdict"] == inc["verdict"]["run"] == "FAIL"
+    assert (
+        inc["title"].startswith("bug found")
+        and "FALSE_ALARM" not in (copy / "report.html").read_text()
+    )
+
+
+def test_shrink_keeps_the_figure_analyze_drew(runs, tmp_path, monkeypatch):
+    from kvchaos.harness.tools.shrink import _update_results
+
+    monkeypatch.setenv(render.PLOTS_ENV, "none")  # whatever the environment says
+    r = runs[1]["table-overflow-detect"]
+    copy = tmp_path / "run"
+    shutil.copytree(r.run_dir, copy)
+    results = json.loads((copy / "results.json").read_text())
+    minimal = {"scenario_path": str(copy / "min.toml"), "test_path": str(copy / "test_min.py")}
+    _update_results(copy, results, minimal)
+    html = (copy / "report.html").read_text()
+    assert '<img class="plot"' in html and "min.toml" in html
+
+
+def test_reproduction_lines_are_relative_to_the_project(runs, tmp_path, monkeypatch):
+    r = runs[1]["refcount-leak-detect"]
+    proj = tmp_path / "proj"
+    copy = proj / "reports" / r.run_dir.name
+    shutil.copytree(r.run_dir, copy)
+    monkeypatch.chdir(proj)
+    results = json.loads((copy / "results.json").read_text())
+    results["replay"] = f"kvchaos run {proj}/scenarios/x.toml --report-dir={proj}/reports --seed 0"
+    render.write_reports(copy, results, plots=False)
+    sec = _sections((copy / "incident-001.md").read_text())
+    assert "kvchaos run scenarios/x.toml --report-dir=reports --seed 0" in sec["Reproduction"]
+    assert f"kvchaos analyze reports/{copy.name}" in sec["Reproduction"]
+    assert f"kvchaos shrink reports/{copy.name}" in sec["Minimal reproducer"]
+    assert str(proj) not in sec["Reproduction"] + (copy / "report.html").read_text()
+    assert rel("/elsewhere/x.toml") == "/elsewhere/x.toml"  # outside the project: as recorded
+    assert rel_command("kvchaos run '/a b/x.toml'", cwd=Path("/a b")) == "kvchaos run x.toml"
+
+
+def _fake_run(d, name, started, end, **extra):
+    run = d / name
+    run.mkdir()
+    results = {"scenario": name, "seed": 0, "verdict": "PASS", "started": started, **extra}
+    (run / "results.json").write_text(json.dumps(results))
+    (run / "history.jsonl").write_text("")
+    os.utime(run / "history.jsonl", (end, end))
+
+
+def test_index_groups_batches_and_has_filters_and_columns(runs, tmp_path):
+    t0 = datetime.datetime(2026, 1, 2, 3, 4, 5).timestamp()
+    iso = lambda t: datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds")  # noqa: E731
+    for i, t in enumerate((0, 20, 40, 5000, 5010)):  # two batches by time, no batch id
+        _fake_run(tmp_path, f"t{i}", iso(t0 + t), t0 + t + 5)
+    for i in range(2):  # one recorded batch id, in between
+        _fake_run(tmp_path, f"b{i}", iso(t0 + 100 + i), t0 + 100 + i, batch="session-7")
+    leak = runs[1]["refcount-leak-detect"]
+    shutil.copytree(leak.run_dir, tmp_path / leak.run_dir.name)
+    report_index.update_index(tmp_path)
+    html = (tmp_path / "index.html").read_text()
+    groups = [g.split("</tbody>")[0] for g in html.split('<tbody class="batch"')[1:]]
+    names = [set(re.findall(r'data-scenario="([^"]+)"', g)) for g in groups]
+    assert {"t3", "t4"} in names and {"t0", "t1", "t2"} in names and {"b0", "b1"} in names
+    assert "batch session-7" in html and len(groups) == 4
+    # filters: inline script, no external assets; the columns a reader sorts runs by
+    for sel in ("f-verdict", "f-scenario", "f-fault"):
+        assert f'<select id="{sel}">' in html
+    assert "<script>" in html and "<script src" not in html and "http" not in html
+    assert "<option>refcount_leak</option>" in html
+    row = html.split(f'data-scenario="{leak.results["scenario"]}"')[1].split("</tr>")[0]
+    assert 'data-faults="refcount_leak"' in html and "simulated, 1 rank" in row
+    assert ">cpu<" in row and ">reference<" in row
+    assert f'<td class="scn"><a href="{leak.run_dir.name}/report.html">' in row  # no truncation
+
+
+def test_publish_records_the_batch(tmp_path, monkeypatch):
+    sc = parse_scenario({"scenario": {"name": "tiny"}, "workload": {"num_requests": 2}})
+    r = publish(run_scenario(sc, 0, device="cpu", report_dir=tmp_path), batch="b-1")
+    monkeypatch.setenv(render.BATCH_ENV, "b-2")
+    r2 = publish(run_scenario(sc, 1, device="cpu", report_dir=tmp_path))
+    assert [json.loads((x.run_dir / "results.json").read_text())["batch"] for x in (r, r2)] == [
+        "b-1",
+        "b-2",
+    ]

@@ -1,8 +1,14 @@
-"""report.html and index.html in a real headless browser (Debian's chromium): the inline plots must
-render. Skips where chromium is not installed (CI installs it: apt-get install -y chromium)."""
+"""report.html and index.html in a real headless browser (Debian's chromium): the figure of a
+caught detection must render. Without chromium these skip locally and FAIL in CI (CI=true): .ci/run
+installs it (apt-get install -y chromium). The figure's content and embedding are checked without
+a browser too."""
 
 from __future__ import annotations
 
+import base64
+import io
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,28 +18,38 @@ import pytest
 
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import load_scenario
+from kvchaos.harness.report import render
 from kvchaos.harness.report.render import publish
 
 CHROMIUM = next(
     (p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and Path(p).is_file()),
     None,
 )
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no chromium at /usr/bin/chromium or on PATH: "
-    "install it with `apt-get install -y chromium` to run the browser tests",
-)
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # colours only the figure draws: tab:blue (latency and request lines), tab:green (free blocks),
-# tab:red (diverged)
-BLUE, GREEN, RED = (31, 119, 180), (44, 160, 44), (214, 39, 40)
+# tab:red (diverged), tab:orange (requests an incident names)
+BLUE, GREEN, RED, ORANGE = (31, 119, 180), (44, 160, 44), (214, 39, 40), (255, 127, 14)
+FIGURE = re.compile(r'<img class="plot" alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 
 
-def screenshot(page: Path, tmp: Path, height: int = 2400) -> np.ndarray:
+def browser() -> str:
+    """The browser, or a skip with the reason; in CI a missing browser fails the test instead:
+    a screenshot test that quietly skips there checks nothing. Called in the test, not a fixture,
+    so that CI reports a failed test, not a fixture error."""
+    if CHROMIUM is None:
+        why = "no chromium at /usr/bin/chromium or on PATH (apt-get install -y chromium)"
+        if IN_CI:
+            pytest.fail(f"CI=true and {why}: the report's figure cannot be checked", pytrace=False)
+        pytest.skip(why)
+    return CHROMIUM
+
+
+def screenshot(browser: str, page: Path, tmp: Path, height: int = 2400) -> np.ndarray:
     import matplotlib.image
 
     png = tmp / f"{page.stem}.png"
     cmd = [
-        CHROMIUM,
+        browser,
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
@@ -44,15 +60,15 @@ def screenshot(page: Path, tmp: Path, height: int = 2400) -> np.ndarray:
         "--disable-sync",
         f"--user-data-dir={tmp / 'profile'}",
         f"--screenshot={png}",
-        f"--window-size=1200,{height}",
+        f"--window-size=1400,{height}",
         page.resolve().as_uri(),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert png.is_file() and png.stat().st_size > 10_000, (
-        f"no screenshot: {out.returncode} {out.stderr[-2000:]}"
+        f"the browser could not start or draw: {out.returncode} {out.stderr[-2000:]}"
     )
     img = matplotlib.image.imread(png)[..., :3]
-    assert img.shape[:2] == (height, 1200)
+    assert img.shape[:2] == (height, 1400)
     return img
 
 
@@ -64,33 +80,87 @@ def colour_pixels(img: np.ndarray, rgb: tuple[int, int, int], tol: int = 12) -> 
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("reports")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVCHAOS_PLOTS", "incidents")  # the race is caught (PASS): draw its figure too
+        mp.delenv(render.PLOTS_ENV, raising=False)  # the default: caught detections get a figure
         return d, [
             publish(run_scenario(load_scenario(n), 0, device="cpu", report_dir=d))
-            for n in ("ordering-race-detect", "baseline-clean")
+            for n in ("ordering-race-detect", "refcount-leak-detect", "baseline-clean")
         ]
 
 
-def test_report_with_incident_renders_its_plots(runs, tmp_path):
-    _, (race, _) = runs
-    img = screenshot(race.run_dir / "report.html", tmp_path)
+def test_a_caught_detection_report_shows_its_figure(runs, tmp_path):
+    chromium = browser()
+    _, (race, _, _) = runs
+    assert race.verdict == "PASS" and race.results["incidents"]  # caught: a PASS with a finding
+    img = screenshot(chromium, race.run_dir / "report.html", tmp_path)
     assert img.std() > 0.05  # not a blank page
-    for rgb, least in (
-        (BLUE, 500),
-        (GREEN, 300),
-        (RED, 1000),
-    ):  # the race diverges: red request lines
+    # the race diverges (red request lines) and names every request it touched (orange)
+    for rgb, least in ((BLUE, 150), (GREEN, 300), (RED, 1000), (ORANGE, 300)):
         assert colour_pixels(img, rgb) > least, f"the figure's {rgb} lines are not on the page"
 
 
+def test_the_figure_is_embedded_in_the_html(runs):
+    """No browser needed: the figure is a PNG inside report.html, no file beside it to lose."""
+    import matplotlib.image
+
+    _, (race, leak, clean) = runs
+    for r in (race, leak):
+        html = (r.run_dir / "report.html").read_text()
+        (data,) = FIGURE.findall(html)
+        png = base64.b64decode(data)
+        assert png.startswith(b"\x89PNG\r\n\x1a\n")
+        img = matplotlib.image.imread(io.BytesIO(png))
+        assert img.shape[1] >= 1000 and img[..., :3].std() > 0.05
+        assert not re.search(r'(src|href)="(https?:)?//', html)  # self-contained
+    assert not FIGURE.findall((clean.run_dir / "report.html").read_text())  # nothing to draw
+
+
+def test_the_figure_marks_detection_fault_window_and_affected_requests(runs):
+    from kvchaos.harness.report.plots import draw
+    from kvchaos.harness.report.view import RunView
+
+    _, (_, r, _) = runs
+    (inc,) = r.results["incidents"]
+    fig = draw(RunView(r.events), r.results["fault_verify"], [inc])
+    ax_lat, ax_free, ax_div = fig.axes
+    labels = ax_lat.get_legend_handles_labels()[1]
+    det, fired = inc["detection"]["first_step"], inc["detection"]["fault_first_step"]
+    assert f"detected by block_accounting (step {det})" in labels
+    assert f"refcount_leak fired (step {fired})" in labels
+    assert "refcount_leak window (triggered or fired)" in labels
+    assert all("latency_s" not in x for x in labels) and "ms" in ax_lat.get_ylabel()
+    assert any(x.endswith("(ms)") for x in labels)  # the legend's unit is the axis's
+    # the affected requests are drawn (and named) in orange, the leaks marked where found
+    orange = {t.get_text() for t in ax_div.get_yticklabels() if t.get_color() == "tab:orange"}
+    assert orange == {a["req"] for a in inc["impact"]["requests_affected"]} != set()
+    assert "leak found" in ax_div.get_legend_handles_labels()[1]
+    leaked = inc["impact"]["blocks_leaked"]["count"]
+    assert f"pool less the {leaked} leaked blocks" in ax_free.get_legend_handles_labels()[1]
+
+
 def test_clean_report_and_index_render(runs, tmp_path):
-    d, (_, clean) = runs
-    img = screenshot(clean.run_dir / "report.html", tmp_path, 1200)
+    chromium = browser()
+    d, (_, _, clean) = runs
+    img = screenshot(chromium, clean.run_dir / "report.html", tmp_path, 1200)
     assert img.std() > 0.05
-    assert (
-        colour_pixels(img, GREEN) < 50
-    )  # no figure for a clean run: the colour check discriminates
-    index = screenshot(d / "index.html", tmp_path, 800)
-    assert (
-        index.std() > 0.05 and colour_pixels(index, (42, 125, 42), tol=6) > 200
-    )  # the green PASS badges
+    # no figure for a clean run: the colour check discriminates
+    assert colour_pixels(img, GREEN) < 50
+    index = screenshot(chromium, d / "index.html", tmp_path, 800)
+    # the green PASS badges
+    assert index.std() > 0.05 and colour_pixels(index, (42, 125, 42), tol=6) > 200
+
+
+def test_the_index_filters_run_in_the_browser(runs, tmp_path):
+    """The inline script filters by verdict, scenario and fault (read from the address here)."""
+    chromium = browser()
+    d, (race, leak, clean) = runs
+    url = (d / "index.html").resolve().as_uri() + "#verdict=PASS&fault=ordering_race"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url]
+    cmd.insert(1, f"--user-data-dir={tmp_path / 'profile'}")
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    rows = dict(
+        re.findall(r'<tr class="run" data-verdict="\w+" data-scenario="([^"]+)"([^>]*)>', dom)
+    )
+    assert set(rows) == {race.scenario, leak.scenario, clean.scenario}, dom[-2000:]
+    assert "hidden" not in rows[race.scenario]
+    assert "hidden" in rows[leak.scenario] and "hidden" in rows[clean.scenario]
+    assert '<span id="f-count">1</span>' in dom

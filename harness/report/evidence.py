@@ -175,27 +175,31 @@ def _evidence_of(v: RunView, f: dict, fv: dict) -> dict:
         }
     if k == "leak":
         c = ev.get("cancel") or {}
+        # only a planted defect's verify() lists leaks: a trigger-only fault's says nothing
         in_verify = (
-            any(x["req"] == ev["req"] for x in fv.get("leaks", [])) if "leaks" in fv else None
+            any(x["req"] == ev["req"] for x in fv.get("leaks", []))
+            if "leaks" in fv and fv.get("planted", True)
+            else None
         )
-        how = (
-            (
-                f"cancel at step {c['step']} in phase {c['phase']}"
+        if c:
+            how = (
+                f"the cancel at step {c['step']} in phase {c['phase']}"
                 f"{' while sharing blocks' if c.get('shared') else ''} "
-                f"(by {c.get('origin')})"
+                f"(by {c.get('origin')}) did not free them"
             )
-            if c
-            else "no cancel recorded"
-        )
+        elif ev["req"] in v.finished:
+            how = f"it finished at step {v.finished[ev['req']]} and they were never freed"
+        else:
+            how = "it ended and they were never freed"
         return {
             "type": "leak",
             "step": s,
             "req": ev["req"],
             "blocks": ev["blocks"],
             "cancel": c,
+            "finished_step": v.finished.get(ev["req"]),
             "in_fault_verify": in_verify,
-            "text": f"request {ev['req']} leaked blocks {ev['blocks']}: "
-            f"the {how} did not free them",
+            "text": f"request {ev['req']} leaked blocks {ev['blocks']}: {how}",
         }
     if k == "latency_climb":
         sig = ev["signal"]
@@ -254,11 +258,13 @@ def detection(
         (f for f in caught if f["checker"] in exp.get("checkers", [])),
         caught[0] if caught else None,
     )
+    # time to detect counts from a firing: with nothing fired there is nothing to time
+    fired = fv.get("first_step") if fv.get("fired") else None
     ttd = results.get("time_to_detect_steps", {}).get(fault) if fault else None
-    if ttd is None and first is not None and start is not None:
-        ttd = first["step"] - start
+    if ttd is None and first is not None and fired is not None:
+        ttd = first["step"] - fired
     ttd_ms = (
-        v.at(first["step"]) - v.at(start - 1) if first is not None and start is not None else None
+        v.at(first["step"]) - v.at(fired - 1) if first is not None and fired is not None else None
     )
     limits = {"leak": EVIDENCE_MAX, "divergence": 5, "foreign_block": 3, "stale_table": 3}
     evidence, per = [], {}
@@ -269,6 +275,9 @@ def detection(
     err = run_error(v, results)
     if kind == "error" and err:
         status = f"{err['error']} at step {err.get('step', '?')}: {err['message']}"
+    elif kind == "error":
+        unknown = [c["checker"] for c in results.get("checkers", []) if c["valid"] is None]
+        status = f"checker(s) could not decide: {', '.join(unknown) or '?'}"
     elif kind == "missed":
         status = (
             f"not caught: {exp.get('checkers')} had to fire "
@@ -282,10 +291,13 @@ def detection(
     return {
         "status": status,
         "checkers": sorted({f["checker"] for f in findings}),
+        # the ones that fired at the detection step: what caught it (the others came later)
+        "caught_by": sorted({f["checker"] for f in caught if first and f["step"] == first["step"]})
+        or sorted({f["checker"] for f in findings}),
         "expected": exp.get("checkers", []),
         "within_steps": exp.get("within_steps"),
         "first_step": first["step"] if first else None,
-        "fault_first_step": start,
+        "fault_first_step": fired,
         "time_to_detect_steps": ttd,
         "time_to_detect_ms": round(ttd_ms, 3) if ttd_ms is not None else None,
         "findings_total": len(findings),

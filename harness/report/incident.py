@@ -3,35 +3,20 @@ timeline, reproduction. Reads results and events; never runs anything."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 from kvchaos.harness.judge.user_code import REFERENCE
-from kvchaos.harness.judge.verdict import ERROR, MEANING
+from kvchaos.harness.judge.verdict import ERROR, FAIL, MEANING, current
 from kvchaos.harness.report.evidence import (
     detection,
     error_site,
     run_error,
     trigger_section,
 )
+from kvchaos.harness.report.impact import STRUCTURAL, impact_of
+from kvchaos.harness.report.paths import rel, rel_command
 from kvchaos.harness.report.timeline import timeline
 from kvchaos.harness.report.view import RunView
-
-STRUCTURAL = (
-    "table_integrity",
-    "block_accounting",
-    "cross_rank",
-)  # wrong structure, right outputs: latent
-HOW = {
-    "overlong": "overflowed its block-table row",
-    "foreign_block": "its table row holds blocks it does not own",
-    "leak": "cancelled, but its blocks were never freed",
-    "divergence": "outputs diverged from the oracle",
-    "starvation": "starved: produced nothing",
-    "unfinished": "never finished",
-    "latency_climb": "in the batch while latency climbed",
-    "stale_table": "in a batch computed on a stale table",
-}
 
 
 def _fault_knowledge(name: str | None, armed: dict) -> dict:
@@ -93,113 +78,6 @@ def _findings(results: dict, checkers: list[str]) -> list[dict]:
     return sorted(fs, key=lambda f: f["step"])
 
 
-def _latency_change(v: RunView, start: int | None, signal: str) -> dict | None:
-    """Median of `signal` over decode-only steps from `start` on, against the run's own baseline
-    (decode-only steps before `start`, or the first dozen when there are too few)."""
-    dec = [
-        s
-        for s in v.steps
-        if s.get("prefill_tokens", 0) == 0 and s.get("decode_tokens", 0) > 0 and signal in s
-    ]
-    if start is None or len(dec) < 4:
-        return None
-    before = [s[signal] for s in dec if s["step"] < start]
-    after = [s[signal] for s in dec if s["step"] >= start]
-    if len(before) < 3:
-        before = [s[signal] for s in dec[:12]]
-    if not after or not before:
-        return None
-    b, a = statistics.median(before), statistics.median(after)
-    return {
-        "signal": signal,
-        "from_step": start,
-        "baseline_ms": b * 1e3,
-        "after_ms": a * 1e3,
-        "ratio": a / b if b > 0 else None,
-        "baseline_steps": len(before),
-        "after_steps": len(after),
-    }
-
-
-def _impact(
-    v: RunView, results: dict, fault: str | None, findings: list[dict], start: int | None
-) -> dict:
-    affected: dict[str, set[str]] = {}
-    for f in findings:
-        ev = f["evidence"]
-        reqs = [ev[k] for k in ("req", "owner") if ev.get(k)] + list(ev.get("requests", []))
-        if not reqs and f["kind"] in ("latency_climb", "stale_table"):
-            reqs = sorted(v.requests_at(ev.get("window") or [f["step"]]))
-        for r in reqs:
-            affected.setdefault(r, set()).add(HOW.get(f["kind"], f"named by {f['checker']}"))
-    for o in v.diverged:
-        affected.setdefault(o["req"], set()).add(HOW["divergence"])
-    tokens = sum(o["checked"] - o["first_divergence"] for o in v.diverged)
-
-    fv = (results.get("fault_verify") or {}).get(fault, {}) if fault else {}
-    leaks = [f for f in findings if f["kind"] == "leak"]
-    leak_found = sorted({b for f in leaks for b in f["evidence"].get("blocks", [])})
-    never_returned = max(
-        (
-            f["evidence"]["total"] - f["evidence"]["free"]
-            for f in findings
-            if f["kind"] == "end_leak" and {"total", "free"} <= set(f["evidence"])
-        ),
-        default=None,
-    )
-    verified = (
-        sorted({b for x in fv.get("leaks", []) for b in x["blocks"]}) if "leaks" in fv else None
-    )
-    leaked = {
-        "blocks": leak_found,
-        "count": len(leak_found),
-        "requests": sorted({f["evidence"]["req"] for f in leaks if "req" in f["evidence"]}),
-        "never_returned_at_end": never_returned,
-        "fault_verify_blocks": verified,
-        "fault_verify_skipped_frees": fv.get("skipped_frees"),
-        "matches_fault_verify": None if verified is None else set(verified) == set(leak_found),
-    }
-
-    lat_f = next((f for f in findings if f["checker"] == "latency"), None)
-    signal = lat_f["evidence"].get("signal", "host_s") if lat_f else "host_s"
-    latency = _latency_change(v, start, signal)
-    wall = _latency_change(v, start, "latency_s") if signal != "latency_s" else None
-
-    if not v.oracle:
-        manifest, note = (
-            "unknown",
-            "no request reached the oracle: whether outputs were right is unknown",
-        )
-    elif v.diverged:
-        manifest = "manifest"
-        note = (
-            f"outputs diverged from the contiguous-cache oracle: "
-            f"{len(v.diverged)} of {len(v.oracle)} checked "
-            f"requests, {tokens} tokens from the first divergent one on"
-        )
-    elif any(f["checker"] in STRUCTURAL for f in findings):
-        manifest = "latent"
-        note = (
-            f"the structure was wrong but all {len(v.oracle)} checked requests "
-            f"matched the oracle: latent, "
-            f"nothing wrong was served yet"
-        )
-    else:
-        manifest = "none"
-        note = f"outputs stayed correct: all {len(v.oracle)} checked requests matched the oracle"
-    return {
-        "requests_affected": [{"req": r, "how": sorted(h)} for r, h in sorted(affected.items())],
-        "requests_checked": len(v.oracle),
-        "requests_diverged": [o["req"] for o in v.diverged],
-        "tokens_diverged": tokens,
-        "blocks_leaked": leaked,
-        "latency": latency,
-        "latency_wall": wall,
-        "manifest": manifest,
-        "manifest_note": note,
-    }
-
-
 def _root_cause(
     v: RunView, kind: str, fault: str | None, checkers: list[str], results: dict
 ) -> tuple[dict, str]:
@@ -212,7 +90,7 @@ def _root_cause(
             where = f" (raised at {error_site(err)})" if error_site(err) else ""
             text = f"the run broke with {err['error']}: {err['message']}{where}"
             fix = (
-                "fix the exception above (the traceback is in history.jsonl), "
+                "fix the exception (its traceback is under Detection), "
                 "then replay the run to confirm"
             )
         else:
@@ -221,7 +99,7 @@ def _root_cause(
                 for c in unknown
             )
             fix = (
-                "fix the checker (its traceback is in results.json), "
+                "fix the checker (its traceback is under Detection), "
                 "then `kvchaos analyze` this run again"
             )
         return {"status": "suspected", "text": text, "source": "the run's error"}, fix
@@ -254,12 +132,14 @@ def _root_cause(
     if (
         fault is not None
     ):  # a trigger-only fault whose detectors fired: the remediation did not hold
+        who = f"your block manager {bm}" if own else "the engine's remediation"
         return {
             "status": "suspected",
-            "source": f"the {fault} trigger (no defect planted)",
-            "text": f"the engine's remediation for {fault} did not hold under its trigger"
-            f"{' in your block manager ' + bm if own else ''}; what that failure looks like: "
-            f"{k.get('root_cause', '')} Or the checker is wrong: a harness false positive.",
+            "source": f"the {fault} trigger (no defect planted)"
+            + (f" against {bm}" if own else ""),
+            "text": f"nothing was planted: {who} did not hold under the {fault} trigger; "
+            f"what that failure looks like: {k.get('root_cause', '')} "
+            "Or the checker is wrong: a harness false positive (check the evidence).",
         }, k.get("remediation", "")
     from kvchaos.faults import REGISTRY
 
@@ -296,14 +176,23 @@ def _severity(kind: str, impact: dict, checkers: list[str]) -> tuple[str, str]:
     return "SEV3", "performance only: outputs correct"
 
 
-def _summary(kind, fault, det, impact, fv) -> str:
+def _latency_matters(det) -> bool:
+    """Quote the latency change only where a latency checker fired or was expected to."""
+    return "latency" in det["checkers"] or "latency" in det["expected"]
+
+
+def _summary(kind, fault, det, impact, fv, bm) -> str:
     lat = impact["latency"]
+    bl = impact["blocks_leaked"]
     bits = [
         f"requests affected: {len(impact['requests_affected'])}",
         f"tokens diverged: {impact['tokens_diverged']}",
-        f"blocks leaked: {impact['blocks_leaked']['count']}",
+        f"blocks leaked: {bl['count']}",
     ]
-    if lat and lat["ratio"]:
+    if bl["fault_verify_blocks"] is not None:
+        same = "matches" if bl["matches_fault_verify"] else "does NOT match"
+        bits[-1] += f" (the fault's verify(): {len(bl['fault_verify_blocks'])}, {same})"
+    if lat and lat["ratio"] and _latency_matters(det):
         bits.append(f"{lat['signal']} x{lat['ratio']:.1f} against the run's baseline")
     bits.append(
         {
@@ -317,7 +206,9 @@ def _summary(kind, fault, det, impact, fv) -> str:
         lead = (
             f"The planted {fault} defect fired first at step {fv.get('first_step')} "
             f"({fv.get('times')} times) and "
-            f"{', '.join(det['checkers'])} caught it {det['time_to_detect_steps']} steps later."
+            f"{', '.join(det['caught_by'])} caught it {det['time_to_detect_steps']} steps later"
+            + _later(det)
+            + "."
         )
     elif kind == "missed":
         lead = (
@@ -332,26 +223,51 @@ def _summary(kind, fault, det, impact, fv) -> str:
             if kind == "bug"
             else "and the planted defect does not explain it"
         )
-        lead = f"{', '.join(det['checkers'])} fired {why} (first at step {det['first_step']})."
+        lead = f"{', '.join(det['caught_by'])} fired {why} (first at step {det['first_step']})"
+        lead += _later(det)
+        if bm != REFERENCE:
+            lead += f", against your block manager {bm}"
+        lead += "."
     return f"{lead} Impact: " + "; ".join(bits) + "."
 
 
-def _title(kind, fault, det, results) -> str:
+def _later(det: dict) -> str:
+    later = [c for c in det["checkers"] if c not in det["caught_by"]]
+    return f" (then {', '.join(later)})" if later else ""
+
+
+def _what(impact: dict, det: dict) -> str:
+    """The headline number of an incident, from its impact."""
+    lat = impact["latency"]
+    if impact["blocks_leaked"]["count"]:
+        return f"{impact['blocks_leaked']['count']} blocks leaked"
+    if impact["tokens_diverged"]:
+        return f"{impact['tokens_diverged']} tokens diverged"
+    if lat and lat["ratio"] and _latency_matters(det):
+        return f"{lat['signal']} x{lat['ratio']:.1f}"
+    return f"{det['findings_total']} findings"
+
+
+def _title(kind, fault, det, results, impact, bm) -> str:
     where = f"{results['scenario']} seed {results['seed']}"
     if kind == "detection":
         return (
-            f"{fault} caught by {', '.join(det['checkers'])} at step {det['first_step']} ({where})"
+            f"{fault} caught by {', '.join(det['caught_by'])} at step {det['first_step']} ({where})"
         )
     if kind == "missed":
         return f"{fault} fired at step {det['fault_first_step']} and was missed ({where})"
     if kind == "error":
-        err = results.get("error") or {}
-        return (
-            f"run error: {err.get('error', 'checker could not decide')}: "
-            f"{str(err.get('message', ''))[:80]} ({where})"
-        )
-    label = "bug found" if kind == "bug" else "unexplained finding"
-    return f"{label}: {', '.join(det['checkers'])} fired at step {det['first_step']} ({where})"
+        err = results.get("error")
+        if not err:  # no exception: checkers that could not decide (the summary names them)
+            return f"run error: {results.get('summary', 'a checker could not decide')} ({where})"
+        return f"run error: {err.get('error')}: {str(err.get('message', ''))[:80]} ({where})"
+    # a FAIL is a bug found in the system under test, whichever kind of incident shows it
+    label = "bug found" if kind == "bug" or results["verdict"] == FAIL else "unexplained finding"
+    who = f" in {bm}" if bm != REFERENCE else ""
+    return (
+        f"{label}: {', '.join(det['caught_by'])} fired at step {det['first_step']}, "
+        f"{_what(impact, det)}{who} ({where})"
+    )
 
 
 def build_incidents(results: dict, events: list[dict], run_dir: Path | None = None) -> list[dict]:
@@ -365,7 +281,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
         start = (
             fv.get("first_step") if fv.get("fired") else (findings[0]["step"] if findings else None)
         )
-        impact = _impact(v, results, fault, findings, start)
+        impact = impact_of(v, results, fault, findings, start)
         det = detection(v, results, kind, fault, findings, start)
         root, fix = _root_cause(v, kind, fault, checkers, results)
         sev, why = _severity(kind, impact, checkers)
@@ -377,6 +293,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
             replay += f" --block-manager {bm}"
         first = det["findings"][0] if det["findings"] else {}
         err = run_error(v, results) if kind == "error" else None
+        where = rel(run_dir) if run_dir else None
         fingerprint = (
             {"failure_mode": "error", "checker": err["error"], "site": error_site(err)}
             if err
@@ -391,34 +308,34 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                 "id": f"incident-{n:03d}",
                 "file": f"incident-{n:03d}.md",
                 "kind": kind,
-                "title": _title(kind, fault, det, results),
+                "title": _title(kind, fault, det, results, impact, bm),
                 "severity": sev,
                 "severity_reason": why,
                 "fingerprint": fingerprint,
                 "verdict": {
-                    "run": results["verdict"],
-                    "meaning": MEANING.get(results["verdict"], ""),
+                    "run": current(results["verdict"]),
+                    "meaning": MEANING.get(current(results["verdict"]), ""),
                     "summary": results.get("summary", ""),
                     "expectation": results.get("expectation", {}),
                 },
-                "summary": _summary(kind, fault, det, impact, fv),
+                "summary": _summary(kind, fault, det, impact, fv, bm),
                 "impact": impact,
                 "trigger": trigger_section(v, fault, fv),
                 "detection": det,
+                "error": _error_of(err, results) if kind == "error" else None,
                 "root_cause": root,
                 "remediation": fix,
                 "timeline": steps,
                 "reproduction": {
-                    "command": replay,
+                    "command": rel_command(replay),
                     "seed": results.get("seed"),
                     "commit": results.get("commit"),
                     "config_hash": results.get("config_hash"),
                     "device": results.get("device"),
                     "block_manager": bm,
-                    "analyze": f"kvchaos analyze {run_dir}" if run_dir else None,
+                    "analyze": f"kvchaos analyze {where}" if where else None,
                 },
-                "minimal_reproducer": results.get("minimal_reproducer")
-                or {"status": f"not shrunk yet: run `kvchaos shrink {run_dir or 'RUN_DIR'}`"},
+                "minimal_reproducer": _minimal(results.get("minimal_reproducer"), where),
                 "what_held": [
                     {"checker": c["checker"], "checked": c["checked"]}
                     for c in results.get("checkers", [])
@@ -426,4 +343,39 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                 ],
             }
         )
+    return out
+
+
+def _error_of(err: dict | None, results: dict) -> dict | None:
+    """The run's error with its traceback (the history's event, else results.json's), or the
+    tracebacks of the checkers that could not decide."""
+    if not err:
+        unknown = [c for c in results.get("checkers", []) if c["valid"] is None and c.get("error")]
+        if not unknown:
+            return None
+        err = {
+            "error": "checker error",
+            "message": ", ".join(c["checker"] for c in unknown),
+            "step": None,
+            "traceback": "\n\n".join(f"{c['checker']}:\n{c['error'].rstrip()}" for c in unknown),
+        }
+    tb = err.get("traceback") or (results.get("error") or {}).get("traceback") or ""
+    return {
+        "error": err.get("error"),
+        "message": err.get("message"),
+        "step": err.get("step"),
+        "site": error_site({"traceback": tb}),
+        "traceback": tb.rstrip() or "(no traceback was recorded)",
+    }
+
+
+def _minimal(found: dict | None, where: str | None) -> dict:
+    if not found:
+        return {"status": f"not shrunk yet: run `kvchaos shrink {where or 'RUN_DIR'}`"}
+    out = dict(found)
+    for k in ("scenario_path", "test_path"):
+        if out.get(k):
+            out[k] = rel(out[k])
+    if out.get("command"):
+        out["command"] = rel_command(out["command"])
     return out

@@ -28,11 +28,14 @@ class RunView:
         self.diverged = [o for o in self.oracle if o.get("first_divergence") is not None]
         self.t_ms, t = {0: 0.0}, 0.0
         self.token_steps: dict[str, list[int]] = {}
+        self.finished: dict[str, int] = {}  # request -> the step it finished at
         for s in self.steps:
             t += s["latency_s"] * 1e3
             self.t_ms[s["step"]] = t
             for r in s.get("tokens", {}):
                 self.token_steps.setdefault(r, []).append(s["step"])
+            for r in s.get("finished", []):
+                self.finished.setdefault(r, s["step"])
         self.last_step = self.steps[-1]["step"] if self.steps else 0
         self.num_blocks = self.start.get("config", {}).get("cache", {}).get("num_blocks")
 
@@ -54,6 +57,3 @@ class RunView:
     def requests_at(self, steps) -> set[str]:
         want = set(steps)
         return {r for r, ss in self.token_steps.items() if want.intersection(ss)}
-
-
-# -- incidents ------------------------------------------------------------------------------

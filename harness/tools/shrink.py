@@ -406,7 +406,7 @@ def _update_results(run_dir: Path, results: dict, minimal: dict) -> None:
                 write_reports,
             )  # re-renders the incidents with the reproducer
 
-            write_reports(run_dir, results)
+            write_reports(run_dir, results, plots=True)  # keep the figure analyze drew
             return
         except ImportError:
             pass
