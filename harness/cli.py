@@ -34,6 +34,10 @@ TOOLS = {
         "kvchaos.harness.tools.shrink",
         "reduce a failing run to a minimal scenario and a pytest file",
     ),
+    "selftest": (
+        "kvchaos.harness.tools.selftest",
+        "plant canary bugs in the block manager: is each caught?",
+    ),
     "gpu-check": (
         "kvchaos.harness.bench.gpu_check",
         "the prepared GPU check: gpu tests, CUDA scenarios, kernel bench, soak",
@@ -65,6 +69,11 @@ EXITS = {
         (1, "failed", "a stage failed, errored or timed out"),
         (3, "no CUDA", "no CUDA device"),
         (4, "incomplete", "nothing failed, but a stage could not run (missing package, budget)"),
+    ],
+    "selftest": [
+        (0, "all killed", "every canary caught by a checker's finding; the reference held"),
+        (1, "not killed", "a canary survived, only crashed, or broke the harness"),
+        (3, "reference flagged", "the reference manager failed a run (wins over 1)"),
     ],
     "bench": [(0, "measured", "targets are reported, never asserted")],
 }
@@ -217,6 +226,7 @@ def cmd_run(args) -> int:
             Cluster() as cluster,
         ):
             task = progress.add_task("running", total=len(jobs))
+            batch = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # the index groups by it
             for i, (sc, seed) in enumerate(jobs, 1):
                 progress.update(task, description=escape(f"{sc.name} seed {seed}"))
                 t0 = time.perf_counter()
@@ -233,6 +243,7 @@ def cmd_run(args) -> int:
                         cluster=cluster,
                     ),
                     index=False,
+                    batch=batch,
                 )
                 results.append(r)
                 if live and r.verdict != PASS:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,13 @@ def pytest_configure(config) -> None:
             load_object(spec)
         except ValueError as e:
             raise pytest.UsageError(f"--kvchaos-block-manager: {e}") from None
+
+
+def _batch(config) -> str:
+    """One batch id a session: the report index groups the session's runs by it."""
+    if not hasattr(config, "_kvchaos_batch"):
+        config._kvchaos_batch = f"pytest-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return config._kvchaos_batch
 
 
 def _report_dir(config) -> Path:
@@ -211,6 +219,7 @@ class ScenarioItem(pytest.Item):
                 block_manager_spec=self.config.getoption("--kvchaos-block-manager"),
             ),
             index=False,
+            batch=_batch(self.config),
         )
         if not hasattr(self.config, "_kvchaos_runs"):
             self.config._kvchaos_runs = []
