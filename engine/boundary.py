@@ -44,15 +44,21 @@ class Boundary:
     def _guard(self, name: str, fn):
         calls = self.calls
 
+        manager = self.manager
+        grows = name in ("append", "append_decode", "fork")
+
         def call(*args, **kw):
             calls[name] += 1
             if kw:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
             object.__setattr__(self, "in_progress", (name, args))
+            free = manager.num_free_blocks if grows else None
             try:
                 out = fn(*args[: len(args) - len(kw)], **kw)
-            except OutOfBlocks:
+            except OutOfBlocks as refusal:
                 object.__setattr__(self, "in_progress", None)
+                if grows and manager.num_free_blocks != free:  # a refusal must change nothing
+                    refusal.changed = f"free blocks {free} -> {manager.num_free_blocks}"
                 raise
             except Exception as e:
                 raise ManagerError(name, args, e) from e

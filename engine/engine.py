@@ -190,8 +190,8 @@ class Engine:
                 self.bm.fork(parent_id, child_id)
                 child.state, child.num_computed = State.RUNNING, parent.num_computed
                 self.running.append(child)
-            except OutOfBlocks:  # no room to share: the child computes its tokens itself
-                self.refused("fork", child_id, 0)
+            except OutOfBlocks as no:  # no room to share: the child computes its tokens itself
+                self.refused("fork", child_id, 0, no)
         if child.state is State.WAITING:
             self.waiting.append(child)
         self.seqs[child_id] = child
@@ -212,15 +212,15 @@ class Engine:
         seq.state = State.CANCELLED
         return True
 
-    def refused(self, call: str, seq_id: str, tokens: int) -> None:
-        """Count a refusal ("no room"): the manager's answer, which the scheduler works around."""
+    def refused(self, call: str, seq_id: str, tokens: int, refusal=None) -> None:
+        """Count a refusal ("no room"): the manager's answer, which the scheduler works around.
+        A refusal must change nothing: what it changed all the same goes in the event."""
         free, needed = self.bm.num_free_blocks, self.bm.blocks_needed(seq_id, tokens)
         self.counters["refusals"] += 1
         self.counters["refusals_with_room"] += free >= needed
-        self.seams.on_event(
-            "refusal",
-            {"call": call, "seq": seq_id, "tokens": tokens, "free": free, "needed": needed},
-        )
+        data = {"call": call, "seq": seq_id, "tokens": tokens, "free": free, "needed": needed}
+        changed = getattr(refusal, "changed", None)
+        self.seams.on_event("refusal", {**data, "changed": changed} if changed else data)
 
     def _release(self, seq: Sequence, reason: str) -> None:
         """Every exit path of a sequence that holds blocks comes through here."""

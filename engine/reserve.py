@@ -19,8 +19,8 @@ def reserve(engine, decode: list, prefill: list, preempted: list[str]):
     if decode and hasattr(bm, "append_decode"):
         try:  # the batched fast path; all or nothing
             return _prefill(engine, decode, prefill, bm.append_decode([s.id for s in decode]))
-        except OutOfBlocks:
-            engine.refused("append_decode", decode[0].id, 1)
+        except OutOfBlocks as no:
+            engine.refused("append_decode", decode[0].id, 1, no)
     copies: dict[str, list] = {}
     kept: list = []
     for s in list(decode):
@@ -31,8 +31,8 @@ def reserve(engine, decode: list, prefill: list, preempted: list[str]):
                 copies[s.id] = bm.append(s.id, 1)
                 kept.append(s)
                 break
-            except OutOfBlocks:
-                engine.refused("append", s.id, 1)
+            except OutOfBlocks as no:
+                engine.refused("append", s.id, 1, no)
                 victim = engine.running[-1]
                 engine._preempt(victim)
                 preempted.append(victim.id)
@@ -51,8 +51,8 @@ def _prefill(engine, decode: list, prefill: list, copies: list):
         try:
             copies += bm.append(s.id, n)
             ran.append((s, n))
-        except OutOfBlocks:
-            engine.refused("append", s.id, n)
+        except OutOfBlocks as no:
+            engine.refused("append", s.id, n, no)
             if s.num_computed == 0:
                 back.append(s)  # holds nothing yet: back to the queue, first in line
     for s in reversed(back):

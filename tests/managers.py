@@ -56,6 +56,9 @@ class Preallocating(Delegate):
         try:
             copies = self.inner.append(seq_id, n)
         except OutOfBlocks:
+            spare = len(self.inner.blocks.get(HIDDEN, []))
+            if self.inner.blocks_needed(seq_id, n) > self.inner.num_free_blocks + spare:
+                raise  # even the reserve would not do: refuse, changing nothing
             self.inner.free(HIDDEN)  # the reserve goes first, then the request may have it
             return self.inner.append(seq_id, n)
         have = len(self.inner.blocks.get(HIDDEN, []))

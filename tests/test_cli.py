@@ -85,6 +85,7 @@ SOURCES = {
     "shrink": ["kvchaos.harness.tools.shrink"],
     "soak": ["kvchaos.harness.tools.soak", "kvchaos.harness.tools.soak_summary"],
     "gpu-check": ["kvchaos.harness.bench.gpu_check"],
+    "selftest": ["kvchaos.harness.tools.selftest"],
     "bench": [],
     "list": [],
 }

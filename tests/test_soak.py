@@ -1,17 +1,24 @@
-"""Soak: budget and shard parsing, the random scenario space, a short CPU soak that kills an
-injected hang and goes on (ledger, summary, determinism replays), nondeterminism reported as such,
-and (with KVCHAOS_LONG=1) the 5-minute soak with its memory check."""
+"""Soak: budget and shard parsing, the random scenario space, a 60-second CPU soak under a 5 MB disk
+cap that kills an injected hang and goes on (ledger, summary with its links, INCONCLUSIVE causes,
+plot and rerun command, determinism replays, passing runs beyond --keep deleted), the cap's
+stages, nondeterminism reported as such, and (with KVCHAOS_LONG=1) the 5-minute soak with its
+memory check."""
 
 from __future__ import annotations
 
 import argparse
+import base64
+import html
 import json
 import os
+import re
+import shlex
 import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,9 +27,11 @@ from kvchaos.harness.cli import main as cli_main
 from kvchaos.harness.judge.scenario import parse_scenario
 from kvchaos.harness.judge.verdict import EXIT_CODES
 from kvchaos.harness.tools.fingerprint import fingerprints
+from kvchaos.harness.tools.ledger import main as ledger_main
+from kvchaos.harness.tools.ledger import parse_keep, parse_size
 from kvchaos.harness.tools.soak import Soak, add_arguments, parse_budget, parse_shard, shard_seed
 from kvchaos.harness.tools.soak_space import SPACE, generate_scenario
-from kvchaos.harness.tools.soak_summary import EXIT_NONDETERMINISM
+from kvchaos.harness.tools.soak_summary import EXIT_DISK_CAP, EXIT_NONDETERMINISM
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,98 +159,298 @@ def test_fingerprints_name_the_failure_mode_checker_and_kind():
     assert missed == [{"fp": ("MISSED", "table_overflow", "-", "not_caught"), "step": 4}]
 
 
-def _soak_args(tmp_path: Path) -> argparse.Namespace:
+def _soak_args(tmp_path: Path, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    return p.parse_args(
-        [
-            "--budget",
-            "30s",
-            "--device",
-            "cpu",
-            "--report-dir",
-            str(tmp_path),
-            "--seed-start",
-            "0",
-            "--quiet",
-        ]
-    )
+    base = ["--budget", "30s", "--device", "cpu", "--report-dir", str(tmp_path)]
+    return p.parse_args([*base, "--seed-start", "0", "--quiet", *extra])
 
 
-def test_short_soak_kills_an_injected_hang_and_goes_on(tmp_path):
-    budget, slack = 40, 20
+def _du(path: Path) -> int:
+    """Bytes allocated under path, as `du` counts them (the test's own count, not the soak's)."""
+    total = path.lstat().st_blocks * 512
+    for d, dirs, files in os.walk(path):
+        total += sum(os.lstat(os.path.join(d, n)).st_blocks * 512 for n in dirs + files)
+    return total
+
+
+CAP = 5_000_000  # --max-disk 5MB
+HANG_EVERY = 30
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """One 60-second CPU soak under a 5 MB cap that keeps 3 passing runs, with an injected hang
+    every 30 runs; the tests below read what it left."""
+    root = tmp_path_factory.mktemp("soak")
+    budget = 60
+    cmd = [sys.executable, "-m", "kvchaos.harness.cli", "soak", "--budget", f"{budget}s"]
+    cmd += ["--device", "cpu", "--per-run-timeout", "2", "--report-dir", str(root)]
+    cmd += ["--seed-start", "0", "--inject-hang-every", str(HANG_EVERY), "--quiet"]
+    cmd += ["--keep", "3", "--max-disk", "5MB"]
     t0 = time.monotonic()
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvchaos.harness.cli",
-            "soak",
-            "--budget",
-            f"{budget}s",
-            "--device",
-            "cpu",
-            "--per-run-timeout",
-            "2",
-            "--report-dir",
-            str(tmp_path),
-            "--seed-start",
-            "0",
-            "--inject-hang-every",
-            "6",
-            "--keep",
-            "all",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=budget + 120,
-    )
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=budget + 120)
     wall = time.monotonic() - t0
-    assert wall < budget + slack, f"took {wall:.0f} s for a {budget} s budget"
-    (folder,) = [d for d in tmp_path.iterdir() if d.name.startswith("soak-")]
+    (folder,) = [d for d in root.iterdir() if d.name.startswith("soak-")]
+    db = sqlite3.connect(root / "ledger.sqlite")
+    db.row_factory = sqlite3.Row
+    rows = [dict(r) for r in db.execute("SELECT * FROM runs ORDER BY id")]
+    soaks = [tuple(r) for r in db.execute("SELECT runs, exit_code FROM soaks")]
+    db.close()
     s = json.loads((folder / "soak.json").read_text())
-    assert (folder / "soak-summary.md").read_text().startswith(f"# kvchaos soak {s['soak']}")
-    assert "<h1>kvchaos soak" in (folder / "soak-summary.html").read_text()
-    assert s["elapsed_s"] <= budget + 3
-    # the 6th run hangs, is killed after 2 + 5 s and recorded as ERROR; the soak goes on after it
-    assert s["runs"] > 6, p.stdout + p.stderr
+    return SimpleNamespace(root=root, folder=folder, s=s, rows=rows, soaks=soaks, proc=p, wall=wall)
+
+
+def test_a_capped_soak_stays_under_its_disk_cap(capped):
+    s, used = capped.s, _du(capped.root)  # the soak's folder and the ledger: all it wrote
+    assert s["runs"] > HANG_EVERY, capped.proc.stdout + capped.proc.stderr
+    assert used < CAP, f"{used} bytes on disk, cap {CAP}"
+    assert s["disk"]["cap_bytes"] == CAP and abs(s["disk"]["used_bytes"] - used) < 16 * 1024
+    assert not (capped.folder / "scenarios").exists()
+    for d in (capped.folder / "runs").iterdir():  # the scenario once per run
+        if d.is_dir() and not d.is_symlink():
+            assert (d / "scenario.toml").is_file() and not (d / "scenario.json").exists()
+
+
+def test_short_soak_kills_an_injected_hang_and_goes_on(capped):
+    s, rows, p = capped.s, capped.rows, capped.proc
+    assert capped.wall < 60 + 20, f"took {capped.wall:.0f} s for a 60 s budget"
+    assert s["elapsed_s"] <= 60 + 3
+    assert (capped.folder / "soak-summary.md").read_text().startswith(f"# kvchaos soak {s['soak']}")
+    # the 30th run hangs, is killed after 2 + 5 s and recorded as ERROR; the soak goes on after it
     assert s["verdicts"].get("ERROR", 0) >= 1
     assert p.returncode == s["exit_code"] != 0
-    db = sqlite3.connect(folder.parent / "ledger.sqlite")
-    rows = db.execute(
-        "SELECT seed, verdict, run_dir, scenario_json, command, history_digest, determinism "
-        "FROM runs ORDER BY id"
-    ).fetchall()
-    assert len(rows) == s["runs"]
-    assert [r[0] for r in rows] == list(range(s["runs"]))
-    hung = rows[5]
-    assert hung[1] == "ERROR" and hung[5] is None
-    res = json.loads((Path(hung[2]) / "results.json").read_text())
+    assert len(rows) == s["runs"] and [r["seed"] for r in rows] == list(range(s["runs"]))
+    hung = rows[HANG_EVERY - 1]
+    assert hung["verdict"] == "ERROR" and hung["history_digest"] is None
+    res = json.loads((Path(hung["run_dir"]) / "results.json").read_text())
     assert res["error"]["error"] == "Timeout" and res["error"]["injected_hang"] is True
-    assert json.loads(hung[3]) == generate_scenario(5)
-    assert rows[6][5] is not None  # the run after the hang really ran
-    for seed, verdict, run_dir, _, command, digest, _ in rows:
-        assert (Path(run_dir) / "scenario.toml").is_file() and (
-            Path(run_dir) / "scenario.json"
-        ).is_file()
-        assert command.startswith("kvchaos run ") and f"--seed {seed}" in command
+    # a report for the summary to link to (unless the report itself broke: then it says so)
+    assert (Path(hung["run_dir"]) / "report.html").is_file() or "report_error" in res
+    assert json.loads(hung["scenario_json"]) == generate_scenario(HANG_EVERY - 1)
+    assert rows[HANG_EVERY]["history_digest"] is not None  # the run after the hang really ran
+    for r in rows:
+        assert f"--seed {r['seed']}" in r["command"]
     # determinism: the first run that is not an ERROR (and every 20th) was replayed and matched
     assert s["determinism"]["replayed"] >= 1 and s["determinism"]["mismatches"] == []
-    checked = [r[6] for r in rows if r[6]]
+    checked = [r["determinism"] for r in rows if r["determinism"]]
     assert "identical" in checked and set(checked) <= {"identical", "cut"}
-    assert db.execute("SELECT runs, exit_code FROM soaks").fetchall() == [
-        (s["runs"], s["exit_code"])
-    ]
-    # the kept runs' index is built once at the end and lists every one of them
-    assert sorted(json.loads((folder / "runs" / "index.json").read_text())) == sorted(
-        Path(r[2]).name for r in rows
-    )
-    inc = {tuple(i["fingerprint"][:3]): i for i in s["incidents"]}
-    timeout = [i for fp, i in inc.items() if fp[0] == "ERROR" and fp[2] == "runner"]
-    assert timeout and timeout[0]["first_seed"] == 5
+    assert capped.soaks == [(s["runs"], s["exit_code"])]
+    inc = {tuple(i["fingerprint"]): i for i in s["incidents"]}
+    assert inc[("ERROR", "-", "runner", "Timeout")]["first_seed"] == HANG_EVERY - 1
     assert {"baseline_mb", "end_mb", "growth_pct", "worker_end_mb"} <= set(s["rss"])
+
+
+def test_passing_runs_beyond_keep_are_deleted_and_findings_kept(capped, tmp_path):
+    s, rows = capped.s, capped.rows
+    for r in rows:
+        if r["verdict"] != "PASS":  # every finding keeps its folder
+            assert r["run_dir"] and (Path(r["run_dir"]) / "results.json").is_file(), r
+    kept = {k["run_dir"]: k for k in s["kept"]}
+    passing = [r for r in rows if r["verdict"] == "PASS"]
+    sampled = [r for r in passing if r["run_dir"] and kept[r["run_dir"]]["why"] == "passing"]
+    cited = {i[k] for i in s["incidents"] for k in ("first_run", "fastest_run")}
+    assert len(sampled) == s["disk"]["kept_passing"] <= 3
+    assert all(r["run_dir"] in cited for r in passing if r["run_dir"] and r not in sampled)
+    gone = [r for r in passing if r["run_dir"] is None]
+    assert len(gone) == s["disk"]["deleted_runs"] > len(passing) // 2
+    on_disk = {
+        d.name for d in (capped.folder / "runs").iterdir() if not d.is_symlink() and d.is_dir()
+    }
+    assert on_disk == {Path(r["run_dir"]).name for r in rows if r["run_dir"]}
+    assert sorted(json.loads((capped.folder / "runs" / "index.json").read_text())) == sorted(
+        on_disk
+    )
+    # a deleted run's ledger row still replays it: its scenario comes out of the ledger
+    row = gone[0]
+    rebuild, run = row["command"].split(" && ")
+    argv = shlex.split(rebuild)
+    assert argv[:3] == ["python", "-m", "kvchaos.harness.tools.ledger"]
+    toml = tmp_path / argv[argv.index("--out") + 1]
+    assert ledger_main([*argv[3:-1], str(toml)]) == 0
+    run = shlex.split(run)
+    run[2] = str(toml)
+    assert cli_main([*run[1:], "--report-dir", str(tmp_path / "r"), "--quiet"]) == 0
+    res = json.loads((tmp_path / "r" / "latest" / "results.json").read_text())
+    assert res["history_digest"] == row["history_digest"]
+
+
+def test_the_summary_links_each_kept_run_and_shows_causes_plot_and_rerun(capped):
+    s, folder = capped.s, capped.folder
+    page = (folder / "soak-summary.html").read_text()
+    md = (folder / "soak-summary.md").read_text()
+    hrefs = re.findall(r'href="([^"]+)"', page) + re.findall(r"\]\((runs/[^)]+)\)", md)
+    assert all(not h.startswith(("/", "http")) and (folder / h).is_file() for h in hrefs), hrefs
+    linked = {Path(h).parent.name for h in hrefs if h.endswith(("/report.html", "/results.json"))}
+    assert linked == {Path(r["run_dir"]).name for r in capped.rows if r["run_dir"]}
+    for h in hrefs:  # results.json only where the report could not be written
+        if h.endswith("/results.json"):
+            assert "report_error" in json.loads((folder / h).read_text()), h
+    # INCONCLUSIVE by cause: every such run counted under at least one cause
+    n = s["verdicts"].get("INCONCLUSIVE", 0)
+    assert n > 0, s["verdicts"]  # seeds 0.. of the soak space always have some
+    assert n <= sum(c["count"] for c in s["inconclusive"])
+    assert "INCONCLUSIVE runs by cause" in page and "INCONCLUSIVE runs by cause" in md
+    for c in s["inconclusive"]:
+        assert f"<td>{html.escape(c['cause'])}</td><td>{c['count']}</td>" in page
+    assert any(c["cause"].endswith(" never fired") for c in s["inconclusive"])
+    # the plot, embedded: the page needs nothing beside it
+    png = re.search(r'<img class="plot" [^>]*src="data:image/png;base64,([^"]+)"', page)
+    assert png and base64.b64decode(png.group(1)).startswith(b"\x89PNG")
+    assert s["timeline"]["runs"][-1] == s["runs"]
+    assert not re.search(r'src="(?!data:)', page)
+    # the rerun command, with its report dir
+    argv = shlex.split(s["command"])
+    assert argv[argv.index("--report-dir") + 1] == str(capped.root)
+    assert argv[argv.index("--max-disk") + 1] == "5MB" and argv[argv.index("--keep") + 1] == "3"
+    assert html.escape(s["command"]) in page and s["command"] in md
+    assert "--report-dir" in capped.proc.stdout  # the printed summary too
+
+
+def test_disk_sizes_and_keep_counts_parse():
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("750MiB") == 750 * 2**20
+    assert parse_size("1.5G") == 1.5e9 and parse_size("2gb") == 2 * 10**9
+    assert parse_size("5 MB") == 5 * 10**6 and parse_size("2000000") == 2 * 10**6
+    assert parse_keep("20") == 20 and parse_keep("0") == 0 and parse_keep("all") is None
+    for bad in ("", "lots", "5XB", "-5MB", "MB", "1.2.3MB"):
+        with pytest.raises(ValueError, match="--max-disk"):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--max-disk", "lots", "--max-disk 'lots': expected a size such as 500MB, 2GB or 750MiB"),
+        ("--max-disk", "10KB", "--max-disk '10KB': must be at least 1MB"),
+        ("--keep", "-1", "--keep '-1': expected how many passing runs to keep"),
+        ("--keep", "some", "--keep 'some': expected how many passing runs to keep"),
+    ],
+)
+def test_bad_max_disk_or_keep_is_one_clear_error(capsys, tmp_path, flag, value, says):
+    assert cli_main(["soak", "--budget", "1m", flag, value, "--report-dir", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"kvchaos: error: {says}")
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
+class _DiskWorker:
+    """Stands in for the worker: each run writes a folder of about 80 KB (history 60 KB); every
+    third run is INCONCLUSIVE with a cause of its own (so kept as an example), the others PASS."""
+
+    def ready(self, deadline, tick):
+        return True
+
+    def call(self, job, deadline, tick):
+        seed = job["seed"]
+        if job["op"] == "replay":
+            return "ok", {"digest": f"d{seed}", "verdict": "PASS"}
+        d = Path(job["runs_dir"]) / f"x-soak-{seed}-s{seed}"
+        d.mkdir()
+        verdict, summary = (
+            ("PASS", "clean")
+            if seed % 3
+            else ("INCONCLUSIVE", f"planted defect never fired: f{seed}")
+        )
+        (d / "history.jsonl").write_bytes(b"{}\n" * 20_000)
+        (d / "report.html").write_text("<html></html>")
+        (d / "scenario.toml").write_text("")
+        results = {"verdict": verdict, "seed": seed, "summary": summary, "scenario": "soak"}
+        (d / "results.json").write_text(json.dumps(results))
+        cmd = f"kvchaos run {d}/scenario.toml --seed {seed} --device cpu"
+        return "ok", {**results, "run_dir": str(d), "steps": 5, "digest": f"d{seed}"} | {
+            "command": cmd,
+            "fingerprints": [],
+        }
+
+    def stop(self):
+        pass
+
+    def rss(self):
+        return 0
+
+
+def test_at_the_cap_passing_runs_go_first_then_the_soak_stops(tmp_path, capsys):
+    soak = Soak(_soak_args(tmp_path, "--max-disk", "1MB", "--keep", "50"))
+    soak.worker = _DiskWorker()
+    assert soak.run() == EXIT_DISK_CAP
+    assert "stopped at the disk cap" in capsys.readouterr().err
+    assert _du(tmp_path) < 10**6
+    s = json.loads((soak.dir / "soak.json").read_text())
+    assert s["elapsed_s"] < 20 and "stopped at the disk cap" in s["stopped"]
+    assert (
+        s["exit_code"] == EXIT_DISK_CAP
+        and "stopped at the disk cap" in (soak.dir / "soak-summary.md").read_text()
+    )
+    closed = s["disk"]["passing_closed_at_run"]
+    assert closed and closed < s["runs"]  # first the passing runs stopped being kept ...
+    kept = {k["seed"]: k for k in s["kept"]}
+    assert all(seed < closed for seed, k in kept.items() if k["verdict"] == "PASS")
+    # ... and every finding stayed until the soak stopped
+    assert [k for k in range(0, s["runs"], 3) if k not in kept] == []
+    db = sqlite3.connect(soak.ledger_file)
+    assert db.execute("SELECT COUNT(*) FROM runs").fetchone() == (s["runs"],)
+    assert db.execute("SELECT exit_code FROM soaks").fetchall() == [(EXIT_DISK_CAP,)]
+
+
+def test_a_finding_over_the_cap_gives_up_the_passing_sample_then_its_history(tmp_path):
+    soak = Soak(_soak_args(tmp_path, "--max-disk", "1MB"))
+    keeper = soak.keeper
+
+    def run(seed: int, why: str, history: int) -> str:
+        d = soak.dir / "runs" / f"r{seed}"
+        d.mkdir()
+        (d / "history.jsonl").write_bytes(b"x" * history)
+        (d / "report.html").write_text("r")
+        info = {"seed": seed, "command": f"kvchaos run {d}/scenario.toml --seed {seed}"}
+        row = soak.ledger.add_run(soak="x", time="t", seed=seed, verdict="PASS", run_dir=str(d))
+        return keeper.settle(str(d), row, why, info)
+
+    assert [run(0, "passing", 100_000), run(1, "passing", 100_000)] == ["sampled", "sampled"]
+    assert run(2, "finding", 700_000) == "trimmed"  # the sample went first, then its history
+    assert keeper.sample == [] and keeper.deleted == 2
+    assert (soak.dir / "runs" / "r2" / "report.html").is_file()
+    assert keeper.used() + keeper.end_reserve() <= keeper.cap
+
+
+def test_passing_runs_beyond_keep_are_deleted_unless_cited(tmp_path):
+    def soak_with(n_passing: int, name: str) -> tuple[Soak, dict]:
+        folder = tmp_path / name
+        soak = Soak(_soak_args(folder, "--keep", "3"))
+        dirs = {}
+
+        def run(seed: int, verdict: str, fps: list) -> None:
+            d = soak.dir / "runs" / f"run{seed}"
+            d.mkdir()
+            (d / "report.html").write_text("r")
+            job = {"seed": seed, "scenario": generate_scenario(seed), "hang": False}
+            fps = [{"fp": fp, "step": step} for fp, step in fps]
+            r = {"run_dir": str(d), "verdict": verdict, "summary": "", "steps": 9, "digest": "d"}
+            r |= {"command": f"kvchaos run {d}/scenario.toml --seed {seed}", "fingerprints": fps}
+            soak._keep(job, r, soak._record(job, r, 0.1))
+            dirs[seed] = d
+
+        fp = ("DETECTED", "table_overflow", "table_integrity", "overlong")
+        run(0, "PASS", [(fp, 5)])  # first: kept
+        run(1, "PASS", [(fp, 3)])  # fastest: kept, until ...
+        run(2, "PASS", [(fp, 1)])  # ... this one is faster
+        run(3, "FAIL", [(("FAIL", "-", "liveness", "starvation"), 4)])
+        run(4, "INCONCLUSIVE", [])
+        for seed in range(5, 5 + n_passing):
+            run(seed, "PASS", [])
+        return soak, dirs
+
+    soak, dirs = soak_with(30, "a")
+    on_disk = sorted(seed for seed, d in dirs.items() if d.exists())
+    sample = [seed for seed in on_disk if seed >= 5]
+    assert on_disk[:4] == [0, 2, 3, 4] and len(sample) == 3  # 1 is no longer cited
+    assert soak.incidents[("DETECTED", "table_overflow", "table_integrity", "overlong")][
+        "fastest_run"
+    ] == str(dirs[2])
+    gone = soak.ledger.db.execute("SELECT seed, command FROM runs WHERE run_dir IS NULL").fetchall()
+    assert sorted(seed for seed, _ in gone) == sorted(set(range(35)) - set(on_disk))
+    assert all(c.startswith("python -m kvchaos.harness.tools.ledger ") for _, c in gone)
+    again, dirs2 = soak_with(30, "b")  # the sample is seeded: the same on a rerun
+    assert sorted(seed for seed, d in dirs2.items() if d.exists()) == on_disk
 
 
 def test_a_new_soak_continues_after_the_ledgers_seeds(tmp_path):
@@ -329,50 +538,3 @@ def test_five_minute_soak_stays_in_budget_and_does_not_leak(tmp_path):
     assert s["runs"] > 25 and s["verdicts"]["ERROR"] >= 1
     assert s["rss"]["baseline_at_s"] >= 60
     assert s["rss"]["growth_pct"] < 10, s["rss"]
-
-
-def test_histories_are_pruned_unless_a_run_is_cited(tmp_path):
-    soak = Soak(_soak_args(tmp_path))
-
-    def run(seed: int, verdict: str, fps: list) -> Path:
-        d = tmp_path / f"run{seed}"
-        d.mkdir()
-        (d / "history.jsonl").write_text("{}\n")
-        job = {
-            "seed": seed,
-            "scenario": generate_scenario(seed),
-            "scenario_path": "x.toml",
-            "hang": False,
-        }
-        soak._record(
-            job,
-            {
-                "run_dir": str(d),
-                "verdict": verdict,
-                "summary": "",
-                "steps": 9,
-                "digest": "d",
-                "command": "c",
-                "fingerprints": [{"fp": fp, "step": step} for fp, step in fps],
-            },
-            0.1,
-        )
-        return d / "history.jsonl"
-
-    fp = ("DETECTED", "table_overflow", "table_integrity", "overlong")
-    first = run(0, "PASS", [(fp, 5)])
-    again = run(1, "PASS", [(fp, 5)])
-    faster = run(2, "PASS", [(fp, 3)])
-    clean = run(3, "PASS", [])
-    alarm = run(4, "FAIL", [(("FAIL", "-", "liveness", "starvation"), 4)])
-    assert [p.exists() for p in (first, again, faster, clean, alarm)] == [
-        True,
-        False,
-        True,
-        False,
-        True,
-    ]
-    assert soak.incidents[fp]["count"] == 3 and soak.incidents[fp]["fastest_run"] == str(
-        faster.parent
-    )
-    assert soak.ledger.db.execute("SELECT COUNT(*) FROM runs").fetchone() == (5,)

@@ -296,3 +296,9 @@ def test_a_divergence_is_known_within_eight_steps_whatever_the_batching(name, se
     ]
     reported = [f.evidence["req"] for f in diverged]
     assert len(reported) == len(set(reported))  # one finding a request
+
+
+def test_a_refusal_that_changed_the_manager_is_named_as_such():
+    r = run("refcount-leak-clean", 0, "TracedRefusal")
+    changed = [f for f in r.findings if f.kind == "refusal_changed_state"]
+    assert changed and "free blocks" in changed[0].evidence["changed"]

@@ -10,27 +10,43 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
     """Every call into the block manager returned or refused: an exception escaping one is a bug
     in the system under test (the call, its arguments and the traceback are its evidence); so is
     a snapshot that fails its own shape or the harness's record (snapshot_invalid events)."""
-    found = [
-        Finding(
-            "manager_calls",
-            e["step"],
-            f"{e['call']} raised {e['error']}: {e['message']}",
-            {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")},
-            None,
-            "exception",
-        )
-        for e in _of(events, "sut_error")
-    ] + [
-        Finding(
-            "manager_calls",
-            e["step"],
-            f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
-            {"problem": e["problem"]},
-            None,
-            "bad_snapshot",
-        )
-        for e in _of(events, "snapshot_invalid")
-    ]
+    found = (
+        [
+            Finding(
+                "manager_calls",
+                e["step"],
+                f"{e['call']} raised {e['error']}: {e['message']}",
+                {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")},
+                None,
+                "exception",
+            )
+            for e in _of(events, "sut_error")
+        ]
+        + [
+            Finding(
+                "manager_calls",
+                e["step"],
+                f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
+                {"problem": e["problem"]},
+                None,
+                "bad_snapshot",
+            )
+            for e in _of(events, "snapshot_invalid")
+        ]
+        + [
+            Finding(
+                "manager_calls",
+                e["step"],
+                f"{e['data']['call']}({e['data']['seq']!r}, {e['data']['tokens']}) refused, yet "
+                f"changed the manager: {e['data']['changed']}",
+                {k: e["data"][k] for k in ("call", "seq", "tokens", "changed")},
+                None,
+                "refusal_changed_state",
+            )
+            for e in _of(events, "engine")
+            if e.get("kind") == "refusal" and e["data"].get("changed")
+        ]
+    )
     calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
     return _result("manager_calls", found, calls)
 

@@ -50,6 +50,12 @@ def problem(snap, engine, num_blocks: int) -> str | None:
                 f"sequence {seq.id} has {seq.num_computed} tokens computed, the snapshot lists "
                 f"blocks for {have}"
             )
+        n = (toks or {}).get(seq.id)
+        if n is not None and not seq.num_computed <= n <= len(seq.tokens):
+            return (
+                f"sequence {seq.id} has slots for {n} tokens by its snapshot; the engine has "
+                f"computed {seq.num_computed} of its {len(seq.tokens)}"
+            )
     return None
 
 

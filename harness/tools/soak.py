@@ -1,17 +1,26 @@
 """Soak: run randomised scenarios until a time budget is spent.
 
 Each seed picks a mix of triggers, planted defects and workload parameters within the ranges in
-SPACE (soak_space.py), writes the scenario as TOML and runs it in a worker process; a run that
-hangs is killed at its timeout and recorded as ERROR, and the soak goes on. Every run goes into a
-seed ledger (SQLite) that persists across nights. A sample of runs (5%, from the first run that is
-not an ERROR) is replayed and its history digest compared: a mismatch is NONDETERMINISM, never
-retried. At the end: soak-summary.md / .html in the soak's folder, incidents deduplicated by
-fingerprint (label, failure mode, checker, finding kind) with the first and fastest seed of each.
+SPACE (soak_space.py) and runs it in a worker process; a run that hangs is killed at its timeout
+and recorded as ERROR, and the soak goes on. Every run goes into a seed ledger (SQLite) that
+persists across nights. A sample of runs (5%, from the first run that is not an ERROR) is replayed
+and its history digest compared: a mismatch is NONDETERMINISM, never retried. At the end:
+soak-summary.md / .html in the soak's folder, incidents deduplicated by fingerprint (label, failure
+mode, checker, finding kind) with the first and fastest seed of each, INCONCLUSIVE runs by cause,
+runs and findings over time, and links to every kept run's report.
+
+Disk: every run with a finding (a verdict other than PASS, the first or fastest run of an
+incident, a replay mismatch) keeps its folder; of the passing runs a seeded reservoir sample of
+--keep (default 20); the others are deleted once the ledger has them (its row keeps the seed,
+verdict, digest and a replay command). What the soak writes (its folder, the ledger's growth)
+stays under --max-disk (default 500MB): past 80% of it no new passing run is kept; when the next
+run might not fit, the soak stops with exit 15, its summary and ledger written.
 
 Exit codes: 0 nothing unexpected (PASS / INCONCLUSIVE only), 10 MISSED, 11 FAIL,
-14 nondeterminism, 13 ERROR (in that order of precedence), 2 bad input.
+14 nondeterminism, 13 ERROR, 15 stopped at the disk cap (in that order of precedence),
+2 bad input.
 
-  kvchaos soak --budget 30m --device cuda --shard 1/4 --per-run-timeout 120
+  kvchaos soak --budget 30m --device cuda --shard 1/4 --per-run-timeout 120 --max-disk 2GB
 """
 
 from __future__ import annotations
@@ -24,19 +33,31 @@ import re
 import shutil
 import sys
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 
 from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
-from kvchaos.harness.tools.ledger import Ledger
-from kvchaos.harness.tools.soak_space import generate_scenario
+from kvchaos.harness.tools.ledger import (
+    Keeper,
+    Ledger,
+    du_bytes,
+    ledger_bytes,
+    parse_keep,
+    parse_size,
+    size_text,
+)
+from kvchaos.harness.tools.soak_space import generate_scenario, parse_shard, shard_seed
 from kvchaos.harness.tools.soak_summary import (
+    EXIT_DISK_CAP,
     EXIT_NONDETERMINISM,
     NONDETERMINISM,
-    exit_meaning,
+    VERDICT_CODE,
+    inconclusive_causes,
     live_panel,
     render_html,
     render_md,
+    summary_of,
 )
 from kvchaos.harness.tools.worker import Worker, killed_run
 
@@ -59,17 +80,15 @@ def parse_budget(text: str) -> float:
     return float(total)
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """'I/N' (1 <= I <= N): this machine takes the seeds s with s % N == I - 1."""
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
-    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise ValueError(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
-    return int(m.group(1)), int(m.group(2))
-
-
-def shard_seed(seed_start: int, k: int, shard: tuple[int, int]) -> int:
-    i, n = shard
-    return seed_start + k * n + (i - 1)
+def _incident(seed: int, run_dir: str, step: int, count: int) -> dict:
+    return {
+        "count": count,
+        "first_seed": seed,
+        "first_run": run_dir,
+        "fastest_seed": seed,
+        "fastest_step": step,
+        "fastest_run": run_dir,
+    }
 
 
 # -- the soak ---------------------------------------------------------------------------------
@@ -81,6 +100,7 @@ class Soak:
 
         self.budget = parse_budget(args.budget)
         self.shard = parse_shard(args.shard)
+        self.keep, self.cap = parse_keep(args.keep), parse_size(args.max_disk)
         if args.per_run_timeout <= 0:
             raise ValueError(f"--per-run-timeout {args.per_run_timeout}: must be > 0")
         if args.inject_hang_every is not None and args.inject_hang_every < 1:
@@ -92,6 +112,7 @@ class Soak:
         self.commit = git_commit()
         report_dir = Path(args.report_dir)
         self.ledger_file = Path(args.ledger) if args.ledger else report_dir / "ledger.sqlite"
+        ledger_base = ledger_bytes(self.ledger_file)  # only its growth counts against the cap
         self.ledger = Ledger(self.ledger_file)
         self.seed_start = (
             args.seed_start if args.seed_start is not None else self.ledger.next_seed(self.shard[1])
@@ -106,7 +127,15 @@ class Soak:
             n += 1
             self.dir = report_dir / f"{self.id}-{n}"
         (self.dir / "runs").mkdir(parents=True)
-        (self.dir / "scenarios").mkdir()
+        self.keeper = Keeper(
+            self.dir,
+            self.ledger,
+            self.ledger_file,
+            ledger_base,
+            self.keep,
+            self.cap,
+            self.seed_start,
+        )
         self.worker = Worker()
         self.proc = psutil.Process()
         self.counts: Counter = Counter()
@@ -117,17 +146,21 @@ class Soak:
         self.first_seed = self.last_seed = None
         self.rss: dict = {}
         self._last_rss = 0.0
+        self.t0 = time.monotonic()
+        # the timeline, compactly: a night is 10**5 runs
+        self.run_t, self.run_v = array("f"), array("B")
+        self.fp_t, self.nondet_t = array("f"), array("f")
+        self.causes: dict[str, dict] = {}  # INCONCLUSIVE cause -> count, first seed, runs
+        self._superseded: list[str] = []  # runs no longer the fastest of their fingerprint
+        self.stopped: str | None = None
 
     # -- one run ----------------------------------------------------------------------------
     def _job(self, k: int) -> dict:
         from kvchaos.harness.judge.scenario import parse_scenario
-        from kvchaos.harness.judge.toml_writer import dumps
 
         seed = shard_seed(self.seed_start, k, self.shard)
         data = generate_scenario(seed)
-        path = self.dir / "scenarios" / f"soak-{seed}.toml"
-        parse_scenario(data, str(path))  # the generator's output must be a valid scenario
-        path.write_text(dumps(data), encoding="utf-8")
+        parse_scenario(data, f"<soak seed {seed}>")  # the generator's output must be valid
         hang = (
             self.args.inject_hang_every is not None and (k + 1) % self.args.inject_hang_every == 0
         )
@@ -135,9 +168,9 @@ class Soak:
             "op": "run",
             "seed": seed,
             "scenario": data,
-            "scenario_path": str(path),
             "device": self.device,
             "runs_dir": str(self.dir / "runs"),
+            "batch": f"soak-{self.dir.name}",  # the report index groups the soak's runs
             "timeout_s": self.args.per_run_timeout,
             "hang": hang,
         }
@@ -153,24 +186,19 @@ class Soak:
         self.counts[r["verdict"]] += 1
         self.first_seed = seed if self.first_seed is None else self.first_seed
         self.last_seed = seed
-        cited = False  # first or fastest of a fingerprint: the summary points at this run
+        t = time.monotonic() - self.t0
+        self.run_t.append(t)
+        self.run_v.append(VERDICT_CODE.get(r["verdict"], VERDICT_CODE[ERROR]))
         for x in r["fingerprints"]:
             fp = tuple(x["fp"])
             inc = self.incidents.get(fp)
             if inc is None:
-                cited = True
-                self.incidents[fp] = {
-                    "count": 1,
-                    "first_seed": seed,
-                    "first_run": r["run_dir"],
-                    "fastest_seed": seed,
-                    "fastest_step": x["step"],
-                    "fastest_run": r["run_dir"],
-                }
+                self.fp_t.append(t)
+                self.incidents[fp] = _incident(seed, r["run_dir"], x["step"], 1)
             else:
                 inc["count"] += 1
                 if x["step"] < inc["fastest_step"]:
-                    cited = True
+                    self._superseded.append(inc["fastest_run"])
                     inc.update(fastest_seed=seed, fastest_step=x["step"], fastest_run=r["run_dir"])
         if r["verdict"] in (MISSED, FAIL, ERROR) and len(self.unexpected) < 200:
             self.unexpected.append(
@@ -182,10 +210,12 @@ class Soak:
                     "mix": job["scenario"]["scenario"]["description"],
                 }
             )
-        if self.args.keep == "incidents" and r["verdict"] == PASS and not cited:
-            (Path(r["run_dir"]) / "history.jsonl").unlink(
-                missing_ok=True
-            )  # disk, not memory: nights are long
+        if r["verdict"] == "INCONCLUSIVE":
+            for cause in inconclusive_causes(r["summary"]):
+                c = self.causes.setdefault(cause, {"count": 0, "first_seed": seed, "runs": []})
+                c["count"] += 1
+                if len(c["runs"]) < 3:  # examples to link, kept; the others are sampled
+                    c["runs"].append(r["run_dir"])
         return self.ledger.add_run(
             soak=self.id,
             time=dt.datetime.now().isoformat(timespec="seconds"),
@@ -228,20 +258,36 @@ class Soak:
                 }
             )
             self.counts[NONDETERMINISM] += 1
+            self.nondet_t.append(time.monotonic() - self.t0)
             mix = "+".join(sorted(f["name"] for f in job["scenario"].get("faults", []))) or "-"
             fp = (NONDETERMINISM, mix, "replay", "digest_mismatch")
-            inc = self.incidents.setdefault(
-                fp,
-                {
-                    "count": 0,
-                    "first_seed": job["seed"],
-                    "first_run": r["run_dir"],
-                    "fastest_seed": job["seed"],
-                    "fastest_step": r["steps"],
-                    "fastest_run": r["run_dir"],
-                },
-            )
+            inc = self.incidents.setdefault(fp, _incident(job["seed"], r["run_dir"], r["steps"], 0))
             inc["count"] += 1
+
+    def _keep(self, job: dict, r: dict, row: int) -> None:
+        """Keep or delete the run's folder (after its replay: a mismatch is a finding)."""
+        cited = {i[k] for i in self.incidents.values() for k in ("first_run", "fastest_run")}
+        run_dir = r["run_dir"]
+        # INCONCLUSIVE is no finding: keep the examples its cause links to, sample the rest
+        examples = {d for c in self.causes.values() for d in c["runs"]}
+        if r["verdict"] == "INCONCLUSIVE" and run_dir not in examples:
+            why = "passing"
+        elif r["verdict"] != PASS or any(m["run_dir"] == run_dir for m in self.nondet[-1:]):
+            why = "finding"
+        else:
+            why = "cited" if run_dir in cited else "passing"
+        info = {
+            "seed": job["seed"],
+            "verdict": r["verdict"],
+            "summary": r["summary"],
+            "command": r["command"],
+            "mix": job["scenario"]["scenario"]["description"].split(": ", 1)[-1],
+        }
+        self.keeper.settle(run_dir, row, why, info)
+        for old in self._superseded:  # a passing run kept only for being the fastest
+            if old not in cited:
+                self.keeper.release(old, only_cited=True)
+        self._superseded.clear()
 
     # -- the loop ---------------------------------------------------------------------------
     def _sample_rss(self, t: float) -> None:
@@ -266,7 +312,7 @@ class Soak:
         from rich.live import Live
 
         console = Console(stderr=True)
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
         end = t0 + self.budget
         started = dt.datetime.now().isoformat(timespec="seconds")
         live = (
@@ -317,7 +363,15 @@ class Soak:
                 if replay_due and r["verdict"] != ERROR and time.monotonic() < end:
                     self._replay(job, r, row, end, tick)
                     replay_due = False
+                self._keep(job, r, row)
                 tick()
+                if self.keeper.full():
+                    self.stopped = (
+                        f"stopped at the disk cap after {self.runs} runs: "
+                        f"{size_text(self.keeper.used())} of --max-disk {size_text(self.cap)} "
+                        "written, and the next run might not fit"
+                    )
+                    break
         finally:
             self.worker.stop()
             tick()
@@ -339,24 +393,37 @@ class Soak:
             folder=str(self.dir),
         )
         self.ledger.close()
-        summary = self.summary(elapsed, code)
-        (self.dir / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
-        (self.dir / "soak-summary.md").write_text(render_md(summary), encoding="utf-8")
-        (self.dir / "soak-summary.html").write_text(render_html(summary), encoding="utf-8")
-        # the kept runs' index, once (not after every run of the night)
-        if (self.dir / "runs").is_dir():
+        runs = self.dir / "runs"
+        if runs.is_dir():  # the kept runs' index, once (not after every run of the night)
             from kvchaos.harness.report.index import update_index
 
             try:
-                update_index(self.dir / "runs")
+                update_index(runs)
             except Exception as e:  # the summary and runs are written; only their listing is not
                 print(
-                    f"could not write {self.dir / 'runs' / 'index.html'}: {type(e).__name__}: {e}",
+                    f"could not write {runs / 'index.html'}: {type(e).__name__}: {e}",
                     file=sys.stderr,
                 )
+        summary = summary_of(self, elapsed, code)
+        for _ in range(2):  # the second pass counts the summary itself in the disk used
+            (self.dir / "soak.json").write_text(json.dumps(summary, indent=1, default=str))
+            (self.dir / "soak-summary.md").write_text(render_md(summary), encoding="utf-8")
+            (self.dir / "soak-summary.html").write_text(render_html(summary), encoding="utf-8")
+            summary["disk"]["used_bytes"] = self.disk_used()
         print(render_md(summary, brief=True))
         print(f"summary: {self.dir / 'soak-summary.md'}  ({self.dir / 'soak-summary.html'})")
+        if self.stopped:
+            print(
+                f"kvchaos soak: {self.stopped}; the summary and the ledger are written "
+                f"(exit {code}). Raise --max-disk or lower --keep to soak longer.",
+                file=sys.stderr,
+            )
         return code
+
+    def disk_used(self) -> int:
+        """What this soak wrote: its folder and the ledger's growth (as du counts)."""
+        ledger = max(0, ledger_bytes(self.ledger_file) - self.keeper.ledger_base)
+        return du_bytes(self.dir) + ledger
 
     def exit_code(self) -> int:
         for v in (MISSED, FAIL):
@@ -364,67 +431,9 @@ class Soak:
                 return EXIT_CODES[v]
         if self.nondet:
             return EXIT_NONDETERMINISM
-        return EXIT_CODES[ERROR] if self.counts[ERROR] else 0
-
-    def summary(self, elapsed: float, code: int) -> dict:
-        rss = dict(self.rss)
-        if "baseline_mb" in rss:
-            rss["growth_pct"] = round(
-                100 * (rss["end_mb"] - rss["baseline_mb"]) / rss["baseline_mb"], 2
-            )
-            if rss.get("worker_baseline_mb"):
-                rss["worker_growth_pct"] = round(
-                    100
-                    * (rss["worker_end_mb"] - rss["worker_baseline_mb"])
-                    / rss["worker_baseline_mb"],
-                    2,
-                )
-        incidents = [
-            {"fingerprint": list(fp), **v}
-            for fp, v in sorted(
-                self.incidents.items(), key=lambda kv: (kv[0][0] == "DETECTED", -kv[1]["count"])
-            )
-        ]
-        argv = [
-            "kvchaos",
-            "soak",
-            "--budget",
-            self.args.budget,
-            "--device",
-            self.device,
-            "--shard",
-            f"{self.shard[0]}/{self.shard[1]}",
-            "--seed-start",
-            str(self.seed_start),
-            "--per-run-timeout",
-            f"{self.args.per_run_timeout:g}",
-        ]
-        return {
-            "soak": self.id,
-            "folder": str(self.dir),
-            "commit": self.commit,
-            "device": self.device,
-            "budget_s": self.budget,
-            "elapsed_s": round(elapsed, 1),
-            "shard": list(self.shard),
-            "seed_start": self.seed_start,
-            "first_seed": self.first_seed,
-            "last_seed": self.last_seed,
-            "runs": self.runs,
-            "cut_at_budget_end": self.cut,
-            "steps": self.steps,
-            "steps_per_s": round(self.steps / elapsed, 1) if elapsed else 0,
-            "verdicts": dict(self.counts),
-            "determinism": {"replayed": self.replays, "mismatches": self.nondet},
-            "incidents": incidents,
-            "unexpected": self.unexpected,
-            "rss": rss,
-            "exit_code": code,
-            "exit_meaning": exit_meaning(code),
-            "command": " ".join(argv),
-            "ledger": str(self.ledger_file),
-            "injected_hang_every": self.args.inject_hang_every,
-        }
+        if self.counts[ERROR]:
+            return EXIT_CODES[ERROR]
+        return EXIT_DISK_CAP if self.stopped else 0
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -466,10 +475,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--keep",
-        choices=("incidents", "all"),
-        default="incidents",
-        help="keep every run's history.jsonl (all), or only those of runs that are not PASS or are "
-        "the first or fastest of a fingerprint (incidents, the default)",
+        default="20",
+        metavar="N",
+        help="passing runs whose folders are kept, a seeded sample over the soak (default 20; "
+        "0: none; all: every one, within --max-disk); runs with findings are always kept",
+    )
+    p.add_argument(
+        "--max-disk",
+        default="500MB",
+        metavar="SIZE",
+        help="the most this soak may write, its folder and the ledger's growth: 500MB, 2GB, "
+        "750MiB (default 500MB); past 80%% only findings are kept, then the soak stops (exit 15)",
     )
     p.add_argument(
         "--plots",

@@ -1,4 +1,5 @@
-"""The soak's scenario space: the declared ranges SPACE, and the scenario a seed draws from it.
+"""The soak's scenario space: the declared ranges SPACE, the scenario a seed draws from it, and
+which seeds a shard takes.
 
 Each seed picks a mix of triggers, planted defects and workload parameters within SPACE; the
 result is a scenario dict in the TOML file's shape, with the expectation its planted defects imply.
@@ -7,6 +8,7 @@ result is a scenario dict in the TOML file's shape, with the expectation its pla
 from __future__ import annotations
 
 import random
+import re
 
 # The declared ranges every soak scenario is drawn from: (lo, hi) is an inclusive range (ints
 # stay ints), a list is a choice, {"subset": [...], "min": k} a random subset of at least k.
@@ -165,3 +167,16 @@ def generate_scenario(seed: int) -> dict:
     if not faults:
         del data["faults"]
     return data
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' (1 <= I <= N): this machine takes the seeds s with s % N == I - 1."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard_seed(seed_start: int, k: int, shard: tuple[int, int]) -> int:
+    i, n = shard
+    return seed_start + k * n + (i - 1)

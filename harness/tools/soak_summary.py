@@ -1,15 +1,39 @@
-"""How a soak shows itself: the live display while it runs, and soak-summary.md / .html (from the
-soak.json dict) at the end."""
+"""How a soak shows itself: the live display while it runs, the soak.json dict built from the soak
+at its end, and soak-summary.md / .html rendered from that dict (the HTML self-contained: its plot
+is a data: PNG; its links to the kept runs' reports are relative)."""
 
 from __future__ import annotations
 
+import base64
 import html
+import io
+import os
+import re
+import shlex
+from pathlib import Path
 
-from kvchaos.harness.judge.verdict import EXIT_CODES, INCONCLUSIVE, MEANING, PASS
+from kvchaos.harness.judge.verdict import (
+    ERROR,
+    EXIT_CODES,
+    FAIL,
+    INCONCLUSIVE,
+    MEANING,
+    MISSED,
+    PASS,
+)
 from kvchaos.harness.tools.fingerprint import fp_text
+from kvchaos.harness.tools.ledger import size_text
 
 NONDETERMINISM = "NONDETERMINISM"  # the label of a replay whose history digest differed
 EXIT_NONDETERMINISM = 14
+EXIT_DISK_CAP = 15
+TIMELINE = (PASS, INCONCLUSIVE, ERROR, FAIL, MISSED)  # a run's code in the compact timeline
+VERDICT_CODE = {v: i for i, v in enumerate(TIMELINE)}
+TIMELINE_BINS = 120
+KEPT_ROWS = 500  # the summary lists this many kept runs; runs/index.html has them all
+WHY = {"finding": "finding", "cited": "first/fastest of an incident", "passing": "passing sample"}
+COLOURS = {INCONCLUSIVE: "#b07d00", ERROR: "#7b1fa2", FAIL: "#b3261e", MISSED: "#e8590c"}
+COLOURS[NONDETERMINISM] = "#1565c0"
 
 
 def exit_meaning(code: int) -> str:
@@ -17,6 +41,8 @@ def exit_meaning(code: int) -> str:
         return "nothing unexpected"
     if code == EXIT_NONDETERMINISM:
         return "nondeterminism: a replayed run's history differed from the original"
+    if code == EXIT_DISK_CAP:
+        return "stopped at the disk cap (--max-disk) before the budget was spent"
     return next(f"{v}: {MEANING[v]}" for v, c in EXIT_CODES.items() if c == code)
 
 
@@ -27,6 +53,19 @@ def duration_text(s: float) -> str:
         if s >= 3600
         else f"{s // 60}m{s % 60:02d}s"
     )
+
+
+def inconclusive_causes(summary: str) -> list[str]:
+    """Why a run was INCONCLUSIVE, from its verdict summary: each planted fault that never fired,
+    else the summary itself with its numbers blurred (so one cause is one row)."""
+    for said, cause in (
+        ("never fired: ", "never fired"),
+        ("never pulled: ", "trigger never pulled"),
+    ):
+        _, sep, names = summary.partition(said)
+        if sep:
+            return [f"{n.strip()} {cause}" for n in names.split(";")[0].split(",") if n.strip()]
+    return [re.sub(r"\d+(\.\d+)?", "N", summary).strip() or "no reason given"]
 
 
 # -- the live display ------------------------------------------------------------------------
@@ -55,6 +94,13 @@ def live_panel(soak, t: float):
     unexpected = sum(1 for fp in soak.incidents if fp[0] != "DETECTED")
     tab.add_row("incidents", f"{len(soak.incidents)} fingerprints ({unexpected} unexpected)")
     tab.add_row("steps/s", f"{soak.steps / t:.0f}" if t > 0 else "-")
+    k = soak.keeper
+    tab.add_row(
+        "disk",
+        f"{size_text(k.used())} of {size_text(k.cap)}, {len(k.kept)} runs kept "
+        f"({len(k.sample)} passing), {k.deleted} deleted"
+        + ("  [yellow]passing runs no longer kept[/]" if k.passing_closed_at else ""),
+    )
     tab.add_row(
         "RSS",
         f"soak {soak.rss.get('end_mb', 0):.0f} MiB, "
@@ -63,7 +109,174 @@ def live_panel(soak, t: float):
     return tab
 
 
-# -- the summary -----------------------------------------------------------------------------
+# -- the soak.json dict ----------------------------------------------------------------------
+def _link(folder: Path, run_dir: str | None) -> str | None:
+    """The run's report.html relative to the soak's folder (results.json, with its report_error,
+    when the report could not be written); None when the folder is gone."""
+    for name in ("report.html", "results.json"):
+        if run_dir and (Path(run_dir) / name).is_file():
+            return Path(os.path.relpath(Path(run_dir) / name, folder)).as_posix()
+    return None
+
+
+def _growth(a: float, b: float) -> float:
+    return round(100 * (b - a) / a, 2)
+
+
+def _timeline(soak, elapsed: float) -> dict:
+    """Cumulative runs, findings per verdict, new fingerprints and replay mismatches, binned."""
+    width = max(elapsed, 1e-3) / TIMELINE_BINS
+
+    def cum(times, keep=lambda i: True) -> list[int]:
+        counts = [0] * TIMELINE_BINS
+        for i, t in enumerate(times):
+            if keep(i):
+                counts[min(TIMELINE_BINS - 1, int(t / width))] += 1
+        out, total = [], 0
+        for c in counts:
+            total += c
+            out.append(total)
+        return out
+
+    code = soak.run_v
+    findings = {
+        v: cum(soak.run_t, lambda i, c=VERDICT_CODE[v]: code[i] == c)
+        for v in TIMELINE[1:]
+        if VERDICT_CODE[v] in code
+    }
+    if soak.nondet_t:
+        findings[NONDETERMINISM] = cum(soak.nondet_t)
+    return {
+        "t_s": [round(width * (i + 1), 2) for i in range(TIMELINE_BINS)],
+        "runs": cum(soak.run_t),
+        "findings": findings,
+        "fingerprints": cum(soak.fp_t),
+    }
+
+
+def summary_of(soak, elapsed: float, code: int) -> dict:
+    rss = dict(soak.rss)
+    if "baseline_mb" in rss:
+        rss["growth_pct"] = _growth(rss["baseline_mb"], rss["end_mb"])
+        if rss.get("worker_baseline_mb"):
+            rss["worker_growth_pct"] = _growth(rss["worker_baseline_mb"], rss["worker_end_mb"])
+    folder, k, a = soak.dir, soak.keeper, soak.args
+    incidents = [
+        {
+            "fingerprint": list(fp),
+            **v,
+            "first_link": _link(folder, v["first_run"]),
+            "fastest_link": _link(folder, v["fastest_run"]),
+        }
+        for fp, v in sorted(
+            soak.incidents.items(), key=lambda kv: (kv[0][0] == "DETECTED", -kv[1]["count"])
+        )
+    ]
+    order = {v: i for i, v in enumerate((MISSED, FAIL, ERROR, INCONCLUSIVE, PASS))}
+    kept = sorted(
+        (
+            {
+                **{x: e[x] for x in ("seed", "verdict", "why", "mix", "summary")},
+                "run_dir": d,
+                "link": _link(folder, d),
+            }
+            for d, e in k.kept.items()
+        ),
+        key=lambda e: (e["why"] == "passing", order.get(e["verdict"], 0), e["seed"]),
+    )
+    causes = [
+        {
+            "cause": cause,
+            "count": c["count"],
+            "first_seed": c["first_seed"],
+            "links": [x for x in (_link(folder, d) for d in c["runs"]) if x],
+        }
+        for cause, c in sorted(soak.causes.items(), key=lambda kv: -kv[1]["count"])
+    ]
+    argv = ["kvchaos", "soak", "--budget", a.budget, "--device", soak.device]
+    argv += ["--shard", f"{soak.shard[0]}/{soak.shard[1]}", "--seed-start", str(soak.seed_start)]
+    argv += ["--per-run-timeout", f"{a.per_run_timeout:g}", "--report-dir", str(a.report_dir)]
+    argv += ["--keep", str(a.keep), "--max-disk", str(a.max_disk)]
+    argv += ["--ledger", str(a.ledger)] if a.ledger else []
+    return {
+        "soak": soak.id,
+        "folder": str(folder),
+        "commit": soak.commit,
+        "device": soak.device,
+        "budget_s": soak.budget,
+        "elapsed_s": round(elapsed, 1),
+        "shard": list(soak.shard),
+        "seed_start": soak.seed_start,
+        "first_seed": soak.first_seed,
+        "last_seed": soak.last_seed,
+        "runs": soak.runs,
+        "cut_at_budget_end": soak.cut,
+        "steps": soak.steps,
+        "steps_per_s": round(soak.steps / elapsed, 1) if elapsed else 0,
+        "verdicts": dict(soak.counts),
+        "determinism": {"replayed": soak.replays, "mismatches": soak.nondet},
+        "incidents": incidents,
+        "unexpected": [{**u, "link": _link(folder, u["run_dir"])} for u in soak.unexpected],
+        "inconclusive": causes,
+        "kept": kept,
+        "disk": {
+            "cap_bytes": k.cap,
+            "used_bytes": k.used(),
+            "keep": "all" if k.keep is None else k.keep,
+            "kept_runs": len(k.kept),
+            "kept_passing": len(k.sample),
+            "deleted_runs": k.deleted,
+            "trimmed_histories": k.trimmed,
+            "passing_closed_at_run": k.passing_closed_at,
+        },
+        "stopped": soak.stopped,
+        "timeline": _timeline(soak, elapsed),
+        "rss": rss,
+        "exit_code": code,
+        "exit_meaning": exit_meaning(code),
+        "command": shlex.join(argv),
+        "ledger": str(soak.ledger_file),
+        "injected_hang_every": a.inject_hang_every,
+    }
+
+
+# -- the plot ---------------------------------------------------------------------------------
+def plot_timeline(tl: dict) -> str | None:
+    """Runs and findings over time, as a PNG data URI (None without matplotlib or runs)."""
+    if not tl["runs"] or not tl["runs"][-1]:
+        return None
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    hours = tl["t_s"][-1] > 2 * 3600
+    xs = [t / (3600 if hours else 60) for t in tl["t_s"]]
+    fig = Figure(figsize=(14, 5.6), dpi=72)
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 3]})
+    top.plot(xs, tl["runs"], color="#2a7d2a", lw=1.5, label="runs")
+    top.set_ylabel("runs (total)")
+    top.legend(loc="upper left", frameon=False)
+    for v, ys in tl["findings"].items():
+        bottom.step(xs, ys, where="post", lw=1.5, color=COLOURS.get(v), label=v)
+    bottom.step(
+        xs, tl["fingerprints"], where="post", lw=1, ls="--", color="#555", label="new fingerprints"
+    )
+    bottom.set_ylabel("findings (total)")
+    bottom.set_xlabel("hours into the soak" if hours else "minutes into the soak")
+    bottom.legend(loc="upper left", frameon=False, fontsize=9)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(0, xs[-1])
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# -- soak-summary.md --------------------------------------------------------------------------
 def _rss_line(rss: dict) -> str:
     if "growth_pct" not in rss:
         return "not measured (the soak ended before the baseline sample)"
@@ -74,6 +287,21 @@ def _rss_line(rss: dict) -> str:
         f"{rss['worker_baseline_mb']:.1f} -> {rss['worker_end_mb']:.1f} MiB "
         f"({rss.get('worker_growth_pct', 0):+.2f}%), peak {rss['worker_peak_mb']:.1f} MiB"
     )
+
+
+def _disk_line(s: dict) -> str:
+    d = s["disk"]
+    line = (
+        f"{size_text(d['used_bytes'])} written of --max-disk {size_text(d['cap_bytes'])}; "
+        f"{d['kept_runs']} run folders kept ({d['kept_passing']} of them a sample of passing "
+        f"runs, --keep {d['keep']}), {d['deleted_runs']} passing runs deleted (the ledger has "
+        "them)"
+    )
+    if d["trimmed_histories"]:
+        line += f", {d['trimmed_histories']} kept without history.jsonl to stay under the cap"
+    if d["passing_closed_at_run"]:
+        line += f"; from run {d['passing_closed_at_run']} on only findings were kept (80% of cap)"
+    return line
 
 
 def render_md(s: dict, brief: bool = False) -> str:
@@ -95,53 +323,92 @@ def render_md(s: dict, brief: bool = False) -> str:
         f"- determinism: {s['determinism']['replayed']} runs replayed, "
         f"{len(s['determinism']['mismatches'])} mismatches",
         f"- memory (RSS): {_rss_line(s['rss'])}",
-        f"- rerun this soak: `{s['command']}`; ledger: `{s['ledger']}`",
+        f"- disk: {_disk_line(s)}",
     ]
+    out += [f"- **{s['stopped']}**"] if s["stopped"] else []
+    out += [f"- rerun this soak: `{s['command']}`; ledger: `{s['ledger']}`"]
     if brief:
         return "\n".join(out)
+
+    def link(text, target) -> str:
+        return f"[{text}]({target})" if target else f"{text} (not kept)"
+
     if s["determinism"]["mismatches"]:
-        out += [
-            "",
-            "## Nondeterminism",
-            "",
-            "| seed | verdict | replayed verdict | digest | replay digest | run |",
-            "|---|---|---|---|---|---|",
-        ]
+        out += ["", "## Nondeterminism", "", "| seed | verdict | replayed verdict | digest | "]
+        out[-1] += "replay digest | run |"
+        out += ["|---|---|---|---|---|---|"]
         out += [
             f"| {m['seed']} | {m['verdict']} | {m['replay_verdict']} | "
             f"`{(m['digest'] or '')[:12]}` | `{m['replay_digest'][:12]}` | `{m['run_dir']}` |"
             for m in s["determinism"]["mismatches"]
         ]
-    out += [
-        "",
-        "## Incidents by fingerprint",
-        "",
-        "Fingerprint: label (verdict, or DETECTED for a planted defect caught as expected) / "
-        "failure mode / checker / finding kind. "
-        "Fastest: the seed where it showed at the earliest step.",
-        "",
-        "| fingerprint | runs | first seed | fastest seed (step) | reproduce |",
-        "|---|---|---|---|---|",
-    ]
-    for inc in s["incidents"]:
+    out += ["", "## Incidents by fingerprint", "", f"Fingerprint: {_FP_LEGEND}. "]
+    out[-1] += "Fastest: the seed where it showed at the earliest step."
+    out += ["", "| fingerprint | runs | first seed | fastest seed (step) | reproduce |"]
+    out += ["|---|---|---|---|---|"]
+    for i in s["incidents"]:
         out.append(
-            f"| {fp_text(inc['fingerprint'])} | {inc['count']} | {inc['first_seed']} | "
-            f"{inc['fastest_seed']} ({inc['fastest_step']}) | "
-            f"`kvchaos replay {inc['fastest_run']}`; `kvchaos shrink {inc['fastest_run']}` |"
+            f"| {fp_text(i['fingerprint'])} | {i['count']} | "
+            f"{link(i['first_seed'], i['first_link'])} | "
+            f"{link(i['fastest_seed'], i['fastest_link'])} ({i['fastest_step']}) | "
+            f"`kvchaos replay {i['fastest_run']}`; `kvchaos shrink {i['fastest_run']}` |"
         )
     if not s["incidents"]:
         out.append("| none | | | | |")
+    out += ["", "## INCONCLUSIVE runs by cause", ""]
+    if s["inconclusive"]:
+        out += [_CAUSE_NOTE, "", "| cause | runs | first seed | reports |", "|---|---|---|---|"]
+        out += [
+            f"| {c['cause']} | {c['count']} | {c['first_seed']} | "
+            + (", ".join(f"[{n + 1}]({x})" for n, x in enumerate(c["links"])) or "not kept")
+            + " |"
+            for c in s["inconclusive"]
+        ]
+    else:
+        out.append("none")
+    out += ["", f"## Kept runs ({len(s['kept'])})", "", f"{_KEPT_NOTE} runs/index.html", ""]
+    out += [
+        f"- {link('seed {seed} {verdict}'.format(**k), k['link'])}: {WHY[k['why']]}, {k['mix']}"
+        for k in s["kept"][:KEPT_ROWS]
+    ]
+    out += [f"- ... and {len(s['kept']) - KEPT_ROWS} more"] if len(s["kept"]) > KEPT_ROWS else []
     out += ["", "## Unexpected runs", ""]
     if s["unexpected"]:
         out += ["| verdict | seed | mix | summary | run |", "|---|---|---|---|---|"]
         out += [
             f"| {u['verdict']} | {u['seed']} | {u['mix'].split(': ', 1)[-1]} | "
-            f"{u['summary'].replace('|', '/')} | `{u['run_dir']}` |"
+            f"{u['summary'].replace('|', '/')} | {link('report', u['link'])} `{u['run_dir']}` |"
             for u in s["unexpected"]
         ]
     else:
         out.append("none")
     return "\n".join(out) + "\n"
+
+
+# -- soak-summary.html ------------------------------------------------------------------------
+_STYLE = (
+    "<style>body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:76em;color:#222;"
+    "padding:0 1em}h2{font-size:1.2em;border-bottom:1px solid #ddd;margin-top:1.6em}\n"
+    "table{border-collapse:collapse;margin:.6em 0}"
+    "td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left;vertical-align:top}"
+    "th{background:#f4f4f4}.nw{white-space:nowrap}\n"
+    ".bad{color:#b3261e}.ok{color:#1b7f3b}.muted{color:#666}"
+    "code{font-size:90%;background:#f6f6f6}img.plot{max-width:100%;border:1px solid #eee}\n"
+    ".v{display:inline-block;padding:0 .5em;border-radius:4px;color:#fff;font-weight:600}"
+    ".PASS{background:#2a7d2a}.INCONCLUSIVE{background:#b07d00}.ERROR{background:#7b1fa2}"
+    ".FAIL,.MISSED{background:#b3261e}.stop{background:#fff4e5;border:1px solid #e8590c;"
+    "padding:.5em 1em;border-radius:6px}</style>"
+)
+_FP_LEGEND = (
+    "label (verdict, or DETECTED for a planted defect caught as expected) / failure mode / "
+    "checker / finding kind"
+)
+_CAUSE_NOTE = "A run with several unfired planted defects counts under each; links: its first runs."
+_KEPT_NOTE = (
+    "Every run with a finding (a verdict other than PASS, the first or fastest run of an "
+    "incident, a replay mismatch) and a sample of passing runs; the others were deleted and "
+    "live on in the ledger, each with its replay command. All of them:"
+)
 
 
 def _table(headers: tuple, rows: str) -> str:
@@ -150,17 +417,13 @@ def _table(headers: tuple, rows: str) -> str:
     return "<table><tr>" + "".join(f"<th>{h}</th>" for h in headers) + f"</tr>{rows}</table>"
 
 
-_STYLE = (
-    "<style>body{font:14px system-ui,sans-serif;margin:2em;max-width:80em}"
-    "table{border-collapse:collapse;margin:1em 0}\n"
-    "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
-    "th{background:#f3f3f3}\n"
-    ".bad{color:#b00020}.ok{color:#1b7f3b}code{font-size:90%}</style>"
-)
-_FP_LEGEND = (
-    "label (verdict, or DETECTED for a planted defect caught as expected) / failure mode / "
-    "checker / finding kind"
-)
+def _a(text, href) -> str:
+    e = html.escape
+    return f'<a href="{e(href)}">{e(str(text))}</a>' if href else f"{e(str(text))} (not kept)"
+
+
+def _badge(v: str) -> str:
+    return f'<span class="v {html.escape(v)}">{html.escape(v)}</span>'
 
 
 def render_html(s: dict) -> str:
@@ -168,24 +431,45 @@ def render_html(s: dict) -> str:
     bad = s["exit_code"] != 0
     rows = "".join(
         f"<tr><td>{e(fp_text(i['fingerprint']))}</td><td>{i['count']}</td>"
-        f"<td>{i['first_seed']}</td>"
-        f"<td>{i['fastest_seed']} (step {i['fastest_step']})</td><td><code>kvchaos replay "
-        f"{e(i['fastest_run'])}</code></td></tr>"
+        f"<td>{_a(i['first_seed'], i['first_link'])}</td><td class='nw'>"
+        f"{_a(i['fastest_seed'], i['fastest_link'])} (step {i['fastest_step']})</td>"
+        f"<td><code>kvchaos replay {e(i['fastest_run'])}</code></td></tr>"
         for i in s["incidents"]
     )
     unexp = "".join(
-        f"<tr><td>{e(u['verdict'])}</td><td>{u['seed']}</td><td>{e(u['mix'])}</td>"
-        f"<td>{e(u['summary'])}</td><td><code>{e(u['run_dir'])}</code></td></tr>"
+        f"<tr><td>{_badge(u['verdict'])}</td><td>{u['seed']}</td>"
+        f"<td>{e(u['mix'].split(': ', 1)[-1])}</td>"
+        f"<td>{e(u['summary'])}</td><td>{_a('report', u['link'])}</td></tr>"
         for u in s["unexpected"]
     )
     nondet = "".join(
         f"<tr><td>{m['seed']}</td><td>{e(m['verdict'])}</td><td>{e(m['replay_verdict'])}</td>"
         f"<td><code>{e(str(m['digest'])[:12])}</code></td>"
-        f"<td><code>{e(m['replay_digest'][:12])}</code></td><td><code>{e(m['run_dir'])}</code></td></tr>"
+        f"<td><code>{e(m['replay_digest'][:12])}</code></td><td><code>{e(m['run_dir'])}</code>"
+        "</td></tr>"
         for m in s["determinism"]["mismatches"]
     )
-    verdicts = "".join(f"<li>{e(v)}: {n}</li>" for v, n in sorted(s["verdicts"].items()))
+    causes = "".join(
+        f"<tr><td>{e(c['cause'])}</td><td>{c['count']}</td><td>{c['first_seed']}</td><td>"
+        + (" ".join(_a(n + 1, x) for n, x in enumerate(c["links"])) or "not kept")
+        + "</td></tr>"
+        for c in s["inconclusive"]
+    )
+    kept = "".join(
+        f"<tr><td>{_a(k['seed'], k['link'])}</td><td>{_badge(k['verdict'])}</td>"
+        f"<td>{WHY[k['why']]}</td><td>{e(k['mix'])}</td><td>{e(k['summary'])}</td></tr>"
+        for k in s["kept"][:KEPT_ROWS]
+    )
+    if len(s["kept"]) > KEPT_ROWS:
+        kept += f"<tr><td colspan=5>... and {len(s['kept']) - KEPT_ROWS} more</td></tr>"
+    verdicts = " ".join(f"{_badge(v)} {n}" for v, n in sorted(s["verdicts"].items()))
     nondet = _table(("seed", "verdict", "replayed", "digest", "replay digest", "run"), nondet)
+    plot = plot_timeline(s["timeline"])
+    plot = (
+        f'<img class="plot" alt="runs and findings over time" src="{plot}">'
+        if plot
+        else "<p class='muted'>no plot (no runs, or matplotlib is not installed)</p>"
+    )
     title = f"kvchaos soak {e(s['soak'])}"
     ran = (
         f"{s['runs']} runs in {duration_text(s['elapsed_s'])} of a {duration_text(s['budget_s'])} "
@@ -195,18 +479,26 @@ def render_html(s: dict) -> str:
         f"({s['steps_per_s']} steps/s); {s['determinism']['replayed']} determinism replays,\n"
         f"{len(s['determinism']['mismatches'])} mismatches."
     )
+    stop = f'<p class="stop"><b>{e(s["stopped"])}</b></p>' if s["stopped"] else ""
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 {_STYLE}</head><body>
 <h1>{title}</h1>
 <p class="{"bad" if bad else "ok"}"><b>exit {s["exit_code"]}</b>: {e(s["exit_meaning"])}</p>
-<p>{ran}</p>
-<ul>{verdicts}</ul>
+{stop}<p>{ran}</p>
+<p>{verdicts}</p>
+<p>Disk: {e(_disk_line(s))}.</p>
 <p>Memory (RSS): {e(_rss_line(s["rss"]))}</p>
-<p>Rerun: <code>{e(s["command"])}</code>; ledger: <code>{e(s["ledger"])}</code></p>
+<p>Rerun: <code>{e(s["command"])}</code><br>ledger: <code>{e(s["ledger"])}</code></p>
+<h2>Runs and findings over time</h2>{plot}
 <h2>Nondeterminism</h2>{nondet}
 <h2>Incidents by fingerprint</h2>
-<p>{_FP_LEGEND}</p>
+<p class="muted">{_FP_LEGEND}; seeds link to the run's report</p>
 {_table(("fingerprint", "runs", "first seed", "fastest seed", "reproduce"), rows)}
+<h2>INCONCLUSIVE runs by cause</h2><p class="muted">{_CAUSE_NOTE}</p>
+{_table(("cause", "runs", "first seed", "reports"), causes)}
 <h2>Unexpected runs</h2>{_table(("verdict", "seed", "mix", "summary", "run"), unexp)}
+<h2>Kept runs ({len(s["kept"])})</h2>
+<p class="muted">{e(_KEPT_NOTE)} <a href="runs/index.html">runs/index.html</a></p>
+{_table(("seed (report)", "verdict", "kept as", "mix", "summary"), kept)}
 </body></html>
 """

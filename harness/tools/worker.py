@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import shutil
 import time
 import traceback
 from pathlib import Path
@@ -17,7 +16,7 @@ from kvchaos.harness.tools.fingerprint import fingerprints
 def _worker_main(conn) -> None:
     """Runs jobs until told to stop. Lives in a spawned process, so the parent can kill a hang."""
     from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.judge.scenario import parse_scenario
     from kvchaos.harness.report.render import publish  # noqa: F401  imported before ready
 
     conn.send({"ready": True})  # imports done: run deadlines start counting from here
@@ -32,23 +31,24 @@ def _worker_main(conn) -> None:
             while True:  # the injected hang: only the parent's kill ends it
                 time.sleep(3600)
         try:
-            conn.send(_execute(job, run_scenario, load_scenario))
+            conn.send(_execute(job, run_scenario, parse_scenario))
         except Exception:  # the harness's own bug: the parent records it as this run's ERROR
             conn.send({"worker_error": traceback.format_exc()})
 
 
-def _execute(job: dict, run_scenario, load_scenario) -> dict:
+def _execute(job: dict, run_scenario, parse_scenario) -> dict:
     from kvchaos.harness.report.render import publish
 
-    sc = load_scenario(job["scenario_path"])
+    # no file of its own: the runner's scenario.toml in the run folder is the one copy
+    sc = parse_scenario(job["scenario"], f"<soak seed {job['seed']}>")
     if job["op"] == "replay":
         r = run_scenario(sc, job["seed"], job["device"], None, timeout_s=job["timeout_s"])
         return {"digest": r.results["history_digest"], "verdict": r.verdict}
     r = publish(
         run_scenario(sc, job["seed"], job["device"], job["runs_dir"], timeout_s=job["timeout_s"]),
         index=False,
+        batch=job.get("batch"),
     )
-    (r.run_dir / "scenario.json").write_text(json.dumps(job["scenario"], indent=1))
     res = r.results
     return {
         "run_dir": str(r.run_dir),
@@ -146,12 +146,13 @@ def killed_run(
 ) -> dict:
     """Record a run the worker gave no result for: in its own folder if it made one."""
     from kvchaos.harness.judge.runner import new_run_dir
+    from kvchaos.harness.judge.toml_writer import dumps
 
     seed = job["seed"]
     found = sorted(runs_dir.glob(f"*-soak-{seed}-s{seed}"))
     run_dir = found[0] if found else new_run_dir(runs_dir, f"soak-{seed}", seed)
-    shutil.copyfile(job["scenario_path"], run_dir / "scenario.toml")
-    (run_dir / "scenario.json").write_text(json.dumps(job["scenario"], indent=1))
+    if not (run_dir / "scenario.toml").exists():  # the runner writes it when it got that far
+        (run_dir / "scenario.toml").write_text(dumps(job["scenario"]), encoding="utf-8")
     last_line = (detail.strip().splitlines() or [""])[-1]
     name, message = {
         "timeout": (
@@ -167,7 +168,7 @@ def killed_run(
         "traceback": detail,
         "injected_hang": job["hang"],
     }
-    cmd = f"kvchaos run {job['scenario_path']} --seed {seed} --device {device}"
+    cmd = f"kvchaos run {run_dir / 'scenario.toml'} --seed {seed} --device {device}"
     results = {
         "scenario": f"soak-{seed}",
         "seed": seed,
@@ -175,16 +176,23 @@ def killed_run(
         "summary": f"run error: {message}",
         "exit_code": EXIT_CODES[ERROR],
         "commit": commit,
+        "config_hash": None,
         "device": device,
         "steps": 0,
+        "wall_s": None,
         "reason": why,
         "error": error,
         "expectation": job["scenario"]["expect"],
-        "history_digest": None,
-        "replay": cmd,
+        "time_to_detect_steps": {},
+        "credits": [],
+        "fault_verify": {},
         "checkers": [],
+        "history_digest": None,
+        "metrics": {},
+        "replay": cmd,
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
+    _report(run_dir, results)
     return {
         "run_dir": str(run_dir),
         "verdict": ERROR,
@@ -195,3 +203,16 @@ def killed_run(
         "command": cmd,
         "fingerprints": fingerprints(results, job["scenario"].get("faults", [])),
     }
+
+
+def _report(run_dir: Path, results: dict) -> None:
+    """report.html for a killed run too, so the summary's link to it resolves."""
+    from kvchaos.harness.report.render import write_reports
+
+    for events in (None, []):  # its partial history if readable, else none
+        try:
+            write_reports(run_dir, results, events, plots=False)
+            return
+        except Exception as e:  # the results are on disk: the report is a convenience
+            results["report_error"] = f"{type(e).__name__}: {e}"
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1))
