@@ -61,6 +61,8 @@ class BlockManager:
     """Maps each sequence's token positions to physical slots. Sequences are keyed by id; each
     sequence holding blocks owns one table row."""
 
+    capabilities = frozenset({"fork", "seq_tokens"})
+
     def __init__(
         self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int
     ) -> None:

@@ -28,7 +28,7 @@ from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
 from kvchaos.engine.model import Model
-from kvchaos.engine.protocols import BlockManagerProtocol
+from kvchaos.engine.protocols import BlockManagerProtocol, capabilities
 from kvchaos.engine.ranks import RankGroup
 from kvchaos.engine.reserve import reserve
 from kvchaos.engine.seams import Seams
@@ -63,6 +63,7 @@ class Engine:
                 "kvchaos.engine.protocols.BlockManagerProtocol"
             )
         self.bm = Boundary(manager)  # every call into the manager recorded and guarded
+        self.capabilities = capabilities(manager)
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = _decode_backend(config.resolved_backend())
@@ -185,7 +186,8 @@ class Engine:
         child = Sequence(
             child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id
         )
-        if parent.state is State.RUNNING and self.bm.num_free_rows > 0:
+        can_share = "fork" in self.capabilities and self.bm.num_free_rows > 0
+        if parent.state is State.RUNNING and can_share:
             try:
                 self.bm.fork(parent_id, child_id)
                 child.state, child.num_computed = State.RUNNING, parent.num_computed

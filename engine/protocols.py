@@ -9,7 +9,11 @@ Contract, in words:
   the pool cannot cover it.
 - `blocks_needed(seq, n)` is how many free blocks append(seq, n) would take (copy-on-write
   included); `num_free_rows` how many more sequences can start.
-- `fork(parent, child)` makes child share every block of parent.
+- `fork(parent, child)` (optional: the "fork" capability) makes child share every block of
+  parent; a manager without it gets a parallel sample as a fresh request that computes itself.
+- `capabilities` (optional) declares what the manager offers beyond the core: "fork",
+  "seq_tokens" (its snapshot carries per-sequence token counts). Undeclared, they are inferred
+  from what it has. A path a manager lacks is "not applicable", never a failure.
 - `free(seq)` releases everything seq holds; it is idempotent (returns False for an unknown id).
 - `table` is the flat block table: `rows`, `width`, `host_tensor` (a flat int32 CPU tensor of
   rows * width entries, entry (row, i) at row * width + i, -1 unused), `bound_check`,
@@ -43,6 +47,17 @@ class Snapshot:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
+CAPABILITIES = ("fork", "seq_tokens")
+
+
+def capabilities(manager) -> frozenset[str]:
+    """What a manager offers beyond the core protocol: declared, or inferred from what it has."""
+    declared = getattr(manager, "capabilities", None)
+    if declared is not None:
+        return frozenset(declared) & frozenset(CAPABILITIES)
+    return frozenset({"fork"} if callable(getattr(manager, "fork", None)) else set())
+
+
 @runtime_checkable
 class BlockManagerProtocol(Protocol):
     block_size: int
@@ -56,7 +71,6 @@ class BlockManagerProtocol(Protocol):
     def num_free_rows(self) -> int: ...
     def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int: ...
     def append(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]: ...
-    def fork(self, parent_id: str, child_id: str) -> None: ...
     def free(self, seq_id: str) -> bool: ...
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None: ...
     def snapshot(self) -> Snapshot: ...

@@ -211,3 +211,10 @@ class SkipsCopyOnWrite(BlockManager):
         finally:
             if b is not None:
                 self.pool.ref[b] = saved
+
+
+class WithoutFork(Delegate):
+    """Has no fork at all (declares no such capability): parallel samples are fresh requests."""
+
+    fork = None
+    capabilities = frozenset()

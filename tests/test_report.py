@@ -182,7 +182,7 @@ def test_staging_stall_gives_the_latency_ratio_and_says_outputs_stayed_correct(r
     )
     assert inc["impact"]["tokens_diverged"] == 0 and inc["impact"]["manifest"] == "none"
     assert "outputs stayed correct" in md and f"x{lat['ratio']:.2f}" in md
-    assert inc["severity"] == "SEV3"
+    assert inc["severity"] == "CAUGHT"  # planted and caught as designed: no SEV
 
 
 def test_ordering_race_names_the_stale_rank_and_the_diverged_tokens(runs):
@@ -199,7 +199,7 @@ def test_ordering_race_names_the_stale_rank_and_the_diverged_tokens(runs):
         == sum(e["checked"] - e["first_divergence"] for e in diverged)
         > 0
     )
-    assert inc["impact"]["manifest"] == "manifest" and inc["severity"] == "SEV1"
+    assert inc["impact"]["manifest"] == "manifest" and inc["severity"] == "CAUGHT"
 
 
 def test_clean_run_writes_no_incident_and_the_index_lists_every_run(runs):

@@ -302,3 +302,19 @@ def test_a_refusal_that_changed_the_manager_is_named_as_such():
     r = run("refcount-leak-clean", 0, "TracedRefusal")
     changed = [f for f in r.findings if f.kind == "refusal_changed_state"]
     assert changed and "free blocks" in changed[0].evidence["changed"]
+
+
+# -- 11. every protocol addition is optional ------------------------------------------------------
+def test_a_manager_without_fork_runs_with_its_fork_paths_not_applicable():
+    r = run("mixed-clean", manager="WithoutFork")
+    assert r.verdict == "PASS", r.summary
+    paths = r.results["exercised"]
+    assert set(paths["not_applicable"]) == {
+        "fork_calls",
+        "copy_on_write_copies",
+        "frees_of_shared_blocks",
+    }
+    assert paths["forks"] > 0 and paths["fork_calls"] == 0
+    assert not set(paths["not_applicable"]) & set(paths["not_exercised"])
+    start = next(e for e in r.events if e["e"] == "run_start")
+    assert start["capabilities"] == []

@@ -4,6 +4,7 @@ say so. Read from the history alone (a stored run gives the same table)."""
 from __future__ import annotations
 
 PHASES = ("waiting", "prefill", "decode", "preempted", "shared")
+NEEDS_FORK = ("fork_calls", "copy_on_write_copies", "frees_of_shared_blocks")
 
 
 def exercised(events: list[dict]) -> dict:
@@ -40,5 +41,11 @@ def exercised(events: list[dict]) -> dict:
         "resizes": counters.get("table_resizes", 0),
         "row_reuses": row_reuses,
     }
-    paths["not_exercised"] = [k for k, v in paths.items() if v == 0 and not k.startswith("refus")]
+    start = next((e for e in events if e.get("e") == "run_start"), {})
+    caps = set(start.get("capabilities", ["fork"]))
+    lacking = [] if "fork" in caps else list(NEEDS_FORK)  # not applicable, never "missed"
+    paths["not_exercised"] = [
+        k for k, v in paths.items() if v == 0 and not k.startswith("refus") and k not in lacking
+    ]
+    paths["not_applicable"] = lacking
     return paths

@@ -132,6 +132,7 @@ def run_scenario(
                 "device": device,
                 "time": dt.datetime.now().isoformat(timespec="seconds"),
                 "block_manager": block_manager_spec or REFERENCE,
+                "capabilities": sorted(run.engine.capabilities),
                 "telemetry": run.telemetry.status(),
                 "plan": [a.to_dict() for a in run.plan.actions],
             }

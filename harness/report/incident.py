@@ -162,6 +162,8 @@ def _root_cause(
 
 
 def _severity(kind: str, impact: dict, checkers: list[str]) -> tuple[str, str]:
+    if kind == "detection":  # the harness working as designed, not an outage
+        return "CAUGHT", "a planted defect, caught as designed"
     if impact["tokens_diverged"]:
         return (
             "SEV1",
