@@ -261,3 +261,25 @@ def test_exit_codes_are_distinct_and_not_usage_or_pytest_codes():
 def test_worst(verdicts, expected):
     assert worst(verdicts) == expected
     assert worst(list(reversed(verdicts))) == expected
+
+
+def test_each_planted_fault_is_judged_against_its_own_window():
+    """The soak plants several faults: a slow stall gets its 20 steps, the leak only its 2."""
+    sc = parse_scenario(
+        {
+            "scenario": {"name": "t"},
+            "faults": [{"name": "refcount_leak"}, {"name": "staging_stall"}],
+            "expect": {
+                "outcome": "detect",
+                "checkers": ["block_accounting", "latency"],
+                "within_steps": {"refcount_leak": 2, "staging_stall": 20},
+            },
+        },
+        "<t>",
+    )
+    verify = {**FIRED_AT_10, "staging_stall": {"fired": True, "first_step": 10}}
+    stall = ("latency", 25, "latency_climb", {})
+    v = decide(sc, checks(("block_accounting", 11), stall), verify, None)
+    assert v.verdict == PASS and v.time_to_detect == {"refcount_leak": 1, "staging_stall": 15}
+    v = decide(sc, checks(("block_accounting", 15), stall), verify, None)
+    assert v.verdict == MISSED and "refcount_leak (first known after 5 steps)" in v.summary

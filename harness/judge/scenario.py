@@ -87,10 +87,14 @@ class FaultSpec(_Strict):
 class Expectation(_Strict):
     outcome: Literal["clean", "detect"] = "clean"
     checkers: list[str] = []  # detect: any one of these must fire ...
-    within_steps: int = Field(20, ge=0)  # ... within this many steps of the defect firing
+    # ... within this many steps of the defect firing (or per planted fault: {name = steps})
+    within_steps: int | dict[str, int] = 20
 
     @model_validator(mode="after")
     def _check(self):
+        windows = self.within_steps if isinstance(self.within_steps, dict) else {"": 0}
+        if any(not isinstance(v, int) or v < 0 for v in windows.values()):
+            raise ValueError(f"within_steps: expected steps >= 0, got {self.within_steps!r}")
         unknown = [c for c in self.checkers if c not in CHECKERS]
         if unknown:
             raise ValueError(f"unknown checker {unknown[0]!r}; allowed: {list(CHECKERS)}")

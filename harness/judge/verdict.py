@@ -111,7 +111,13 @@ def decide(
             for f, (fault, how) in zip(findings, credits)
             if fault == name and how == "cause" and f.checker in expected
         ]
-        if known and min(known) <= sc.expect.within_steps:
+        window = sc.expect.within_steps
+        window = (
+            window.get(name, max(window.values(), default=0))
+            if isinstance(window, dict)
+            else window
+        )
+        if known and min(known) <= window:
             ttd[name] = min(known)
         else:
             late = f" (first known after {min(known)} steps)" if known else ""
