@@ -30,7 +30,7 @@ from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
 from kvchaos.engine.model import Model
 from kvchaos.engine.protocols import BlockManagerProtocol, capabilities
 from kvchaos.engine.ranks import RankGroup
-from kvchaos.engine.reserve import reserve
+from kvchaos.engine.scheduler import reserve, schedule
 from kvchaos.engine.seams import Seams
 from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
 from kvchaos.engine.staging import StagingBuffer
@@ -237,57 +237,17 @@ class Engine:
         self.waiting.appendleft(seq)
         self.counters["preemptions"] += 1
 
-    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]], list[str]]:
-        """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
-        bm, budget = self.bm, self.config.max_prefill_tokens
-        preempted: list[str] = []
-        decode = [s for s in self.running if s.uncomputed == 1]
-        # Make room for one token per decoding sequence, preempting the newest first.
-        need = sum(bm.blocks_needed(s.id, 1) for s in decode)
-        while decode and need > bm.num_free_blocks:
-            victim = self.running[-1]
-            self._preempt(victim)
-            preempted.append(victim.id)
-            if victim in decode:
-                decode.remove(victim)
-            need = sum(bm.blocks_needed(s.id, 1) for s in decode)
-        free = bm.num_free_blocks - need
-        prefill: list[tuple[Sequence, int]] = []
-        for s in self.running:
-            if s.uncomputed > 1 and budget > 0:
-                n = min(s.uncomputed, budget)
-                need = bm.blocks_needed(s.id, n)
-                if need <= free:
-                    prefill.append((s, n))
-                    budget -= n
-                    free -= need
-        rows = bm.num_free_rows
-        while self.waiting and budget > 0 and rows > 0:
-            s = self.waiting[0]
-            n = min(s.uncomputed, budget)
-            need = bm.blocks_needed(s.id, n)
-            if need > free - self.watermark_blocks:
-                break  # FCFS: the head waits for room, nobody overtakes it
-            self.waiting.popleft()
-            s.state = State.RUNNING
-            self.running.append(s)
-            prefill.append((s, n))
-            budget -= n
-            free -= need
-            rows -= 1
-        return decode, prefill, preempted
-
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> StepOutput:
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_count += 1
-        decode, prefill, preempted = self._schedule()
+        decode, prefill, preempted = schedule(self)
         while not decode and not prefill and len(self.running) > 1:
             # Every running sequence is stuck mid-prefill on a full pool: free the newest.
             victim = self.running[-1]
             self._preempt(victim)
-            d, prefill, p = self._schedule()
+            d, prefill, p = schedule(self)
             decode, preempted = d, preempted + [victim.id] + p
         if not decode and not prefill:
             stats = self._stats(t0, c0, t0, t0, decode, prefill, preempted, [], computed=False)

@@ -544,6 +544,7 @@ def test_run_checkers_runs_every_checker_and_passes_options():
         "latency": "not judged",
         "cross_rank": "not judged",
         "manager_calls": "held",
+        "admission": "not judged",
     }
 
 

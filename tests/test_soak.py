@@ -244,8 +244,10 @@ def test_short_soak_kills_an_injected_hang_and_goes_on(capped):
 def test_passing_runs_beyond_keep_are_deleted_and_findings_kept(capped, tmp_path):
     s, rows = capped.s, capped.rows
     for r in rows:
-        if r["verdict"] != "PASS":  # every finding keeps its folder
+        if r["verdict"] not in ("PASS", "INCONCLUSIVE"):  # every finding keeps its folder
             assert r["run_dir"] and (Path(r["run_dir"]) / "results.json").is_file(), r
+    for cause in s["inconclusive"]:  # INCONCLUSIVE is no finding: its cause's examples stay
+        assert cause["links"], cause
     kept = {k["run_dir"]: k for k in s["kept"]}
     passing = [r for r in rows if r["verdict"] == "PASS"]
     sampled = [r for r in passing if r["run_dir"] and kept[r["run_dir"]]["why"] == "passing"]

@@ -1,4 +1,5 @@
-"""Reserving a step's slots against the block manager's actual answers.
+"""Scheduling a step: planned on the block manager's estimates, then reserved against its
+actual answers.
 
 The schedule is planned on `blocks_needed`, the manager's estimate, not a promise: any append may
 be refused (OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve
@@ -9,7 +10,48 @@ refused goes back to wait, in order; a later prefill chunk that is refused waits
 from __future__ import annotations
 
 from kvchaos.engine.errors import OutOfBlocks
-from kvchaos.engine.sequence import State
+from kvchaos.engine.sequence import Sequence, State
+
+
+def schedule(engine) -> tuple[list, list, list[str]]:
+    """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
+    bm, budget = engine.bm, engine.config.max_prefill_tokens
+    preempted: list[str] = []
+    decode = [s for s in engine.running if s.uncomputed == 1]
+    # Make room for one token per decoding sequence, preempting the newest first.
+    need = sum(bm.blocks_needed(s.id, 1) for s in decode)
+    while decode and need > bm.num_free_blocks:
+        victim = engine.running[-1]
+        engine._preempt(victim)
+        preempted.append(victim.id)
+        if victim in decode:
+            decode.remove(victim)
+        need = sum(bm.blocks_needed(s.id, 1) for s in decode)
+    free = bm.num_free_blocks - need
+    prefill: list[tuple[Sequence, int]] = []
+    for s in engine.running:
+        if s.uncomputed > 1 and budget > 0:
+            n = min(s.uncomputed, budget)
+            need = bm.blocks_needed(s.id, n)
+            if need <= free:
+                prefill.append((s, n))
+                budget -= n
+                free -= need
+    rows = bm.num_free_rows
+    while engine.waiting and budget > 0 and rows > 0:
+        s = engine.waiting[0]
+        n = min(s.uncomputed, budget)
+        need = bm.blocks_needed(s.id, n)
+        if need > free - engine.watermark_blocks:
+            break  # FCFS: the head waits for room, nobody overtakes it
+        engine.waiting.popleft()
+        s.state = State.RUNNING
+        engine.running.append(s)
+        prefill.append((s, n))
+        budget -= n
+        free -= need
+        rows -= 1
+    return decode, prefill, preempted
 
 
 def reserve(engine, decode: list, prefill: list, preempted: list[str]):
