@@ -40,6 +40,7 @@ class TableOverflow(Fault):
     }
 
     def shape(self, plan, cfg) -> None:
+        self.overlong = []  # the requests it made longer than a row: only the defect admits them
         cap = cfg.cache.max_tokens_per_seq
         step = self.p["at_step"]
         # neighbours first: they take the rows after the long request's, so an overflow has a victim
@@ -56,6 +57,7 @@ class TableOverflow(Fault):
                     origin=self.name,
                 )
             )
+            self.overlong.append(f"long{i}")
         for i in range(self.p["neighbours"]):
             plan.add(
                 Action(step, "submit", f"nb{i}", plan.prompt(8), cap - 8, origin=self.name)
@@ -82,6 +84,7 @@ class TableOverflow(Fault):
                     origin=self.name,
                 )
             )
+            self.overlong.append("edge_over")
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
@@ -138,7 +141,11 @@ class TableOverflow(Fault):
             self._seen = n
 
     def verify(self) -> dict:
-        return {**super().verify(), "overflow_writes": self._seen}
+        return {
+            **super().verify(),
+            "overflow_writes": self._seen,
+            "overlong": getattr(self, "overlong", []),
+        }
 
     @classmethod
     def explains(cls, finding: dict, truth: dict) -> str | None:
@@ -152,4 +159,8 @@ class TableOverflow(Fault):
             return "cause"
         if finding["checker"] == "oracle_divergence" and ev.get("req") in reqs:
             return "cause"
+        if finding.get("kind") in ("starvation", "unfinished") and ev.get("blocking") in set(
+            truth.get("overlong", [])
+        ):
+            return "consequence"  # the queue waits on a request only the defect let in
         return None

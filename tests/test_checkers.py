@@ -496,13 +496,20 @@ def test_liveness_no_unfinished_verdict_on_a_broken_run(reason):
 
 def test_liveness_starvation_at_the_bound():
     h = [submit("r0", step=1), submit("r1", step=1)]
-    h += [step(n, tokens={"r1": n}) for n in range(1, 10)]  # r0 never gets a token
-    r = check_liveness(h, bound_steps=5)
+    h += [step(n, tokens={"r1": n} if n <= 2 else {}) for n in range(1, 10)]  # then a stall
+    r = check_liveness(h, bound_steps=5, stall_steps=3)
     assert kinds(r) == [(6, "starvation")]
     assert {k: r.findings[0].evidence[k] for k in ("req", "submitted")} == {
         "req": "r0",
         "submitted": 1,
     }
+
+
+def test_waiting_behind_requests_that_still_produce_is_no_starvation():
+    """r0 queues behind a long r1 that produces every step: its turn comes; nothing stalled."""
+    h = [submit("r0", step=1), submit("r1", step=1)]
+    h += [step(n, tokens={"r1": n}) for n in range(1, 40)]
+    assert check_liveness(h, bound_steps=5, stall_steps=3).findings == []
 
 
 def test_liveness_says_what_the_queue_needed_to_move():
@@ -515,7 +522,7 @@ def test_liveness_says_what_the_queue_needed_to_move():
     }
     h = [start, submit("r0", 1, 20, 20), submit("r1", 1, 4, 4)]
     h += [step(n) for n in range(1, 5)]
-    r = check_liveness(h, bound_steps=3)
+    r = check_liveness(h, bound_steps=3, stall_steps=2)
     assert [(f.evidence["req"], f.evidence["blocked_need"]) for f in r.findings] == [
         ("r0", 10),
         ("r1", 10),
@@ -532,7 +539,7 @@ def test_liveness_no_starvation_when_the_request_makes_progress_in_time():
 # -- composition, unknown results, manifest / latent ------------------------------------------
 def test_run_checkers_runs_every_checker_and_passes_options():
     h = [submit("r0", step=1)] + [step(n) for n in range(1, 5)]
-    out = run_checkers(h, {"liveness": {"bound_steps": 3}})
+    out = run_checkers(h, {"liveness": {"bound_steps": 3, "stall_steps": 2}})
     assert [c.checker for c in out] == list(CHECKERS)
     live = next(c for c in out if c.checker == "liveness")
     assert kinds(live) == [(4, "starvation")]

@@ -395,15 +395,19 @@ def check_cross_rank(events: list[dict]) -> CheckResult:
     return _result("cross_rank", found, n)
 
 
-def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
-    """Every request finishes, is rejected or is cancelled; none waits longer than bound_steps.
+def check_liveness(
+    events: list[dict], bound_steps: int = 200, stall_steps: int = 16
+) -> CheckResult:
+    """Every request finishes, is rejected or is cancelled; none waits longer than bound_steps
+    while the engine stalls (no token for anyone in the last stall_steps): a request queued behind
+    long ones that are still producing is waiting its turn, not starved.
     Each finding carries `blocked_need`: the most blocks (plus the watermark) that any request
     ahead of or equal to the starved one, first come first served, needs to complete. Oldest first,
     with preemption of the newest, the queue moves whenever each request fits the pool on its own:
     a leak explains starvation only while it shrinks the usable pool below that need."""
     submitted, ended, first_token, total = {}, set(), {}, {}
     found = []
-    last_step = 0
+    last_step, last_token, waiting = 0, 0, {}  # waiting: request -> when it started to wait
     cache = next(iter(_of(events, "run_start")), {}).get("config", {}).get("cache", {})
     bs, num_blocks = cache.get("block_size", 16), cache.get("num_blocks", 0)
     watermark = int(cache.get("watermark", 0) * num_blocks)
@@ -411,8 +415,9 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
     def need(r: str) -> dict:
         order = [q for q in submitted if q not in ended]
         ahead = order[: order.index(r) + 1] if r in order else [r]
-        most = max(-(-total.get(q, 1) // bs) for q in ahead)
-        return {"blocked_need": most + watermark, "num_blocks": num_blocks}
+        blocking = max(ahead, key=lambda q: total.get(q, 1))  # the one the queue waits on
+        most = -(-total.get(blocking, 1) // bs)
+        return {"blocked_need": most + watermark, "num_blocks": num_blocks, "blocking": blocking}
 
     for e in events:
         k = e.get("e")
@@ -424,10 +429,16 @@ def check_liveness(events: list[dict], bound_steps: int = 200) -> CheckResult:
         elif k == "step":
             last_step = e["step"]
             ended.update(e.get("finished", []))
+            if e.get("tokens"):
+                last_token = e["step"]
             for r in e.get("tokens", {}):
                 first_token.setdefault(r, e["step"])
+            stalled = e["step"] - last_token >= stall_steps
             for r, s in submitted.items():
-                if r not in ended and r not in first_token and e["step"] - s == bound_steps:
+                if r in ended or r in first_token or r in waiting:
+                    continue
+                if e["step"] - s >= bound_steps and stalled:
+                    waiting[r] = s
                     found.append(
                         Finding(
                             "liveness",
