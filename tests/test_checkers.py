@@ -481,11 +481,21 @@ def test_liveness_unfinished_requests_at_the_end(reason):
         step(1, tokens={"r0": 1, "r1": 2}),
         step(2, tokens={"r1": 3}, finished=["r1"]),
         step(3, tokens={"r0": 4}),
-        run_end(3, reason),
     ]
-    r = check_liveness(h)
-    assert kinds(r) == [(3, "unfinished")]
+    h += [step(n) for n in range(4, 8)] + [run_end(7, reason)]  # stalled at the end
+    r = check_liveness(h, stall_steps=3)
+    assert kinds(r) == [(7, "unfinished")]
     assert r.findings[0].evidence["requests"] == ["r0"]
+
+
+def test_a_run_cut_at_max_steps_while_producing_ran_out_of_steps():
+    h = [
+        submit("r0"),
+        step(1, tokens={"r0": 1}),
+        step(2, tokens={"r0": 2}),
+        run_end(2, "max_steps"),
+    ]
+    assert check_liveness(h, stall_steps=3).findings == []
 
 
 @pytest.mark.parametrize("reason", ["interrupted", "error"])

@@ -451,7 +451,9 @@ def check_liveness(
                         )
                     )
     end = _of(events, "run_end")
-    if end and end[-1]["reason"] in ("done", "max_steps"):
+    # a run cut at max_steps while still producing ran out of steps: that is no bug
+    stalled = last_step - last_token >= stall_steps
+    if end and (end[-1]["reason"] == "done" or end[-1]["reason"] == "max_steps" and stalled):
         stuck = sorted(r for r in submitted if r not in ended)
         if stuck:
             found.append(
