@@ -121,10 +121,12 @@ def main(args) -> int:
     print(f"{run_dir}: {r['verdict']}{change}: {r['summary']}")
     fired = [c["checker"] for c in r["checkers"] if c["valid"] is False]
     held = [c["checker"] for c in r["checkers"] if c["valid"] is True]
-    unknown = [c["checker"] for c in r["checkers"] if c["valid"] is None]
+    unknown = [c["checker"] for c in r["checkers"] if c["valid"] is None and c.get("error")]
+    idle = [c["checker"] for c in r["checkers"] if c["valid"] is None and not c.get("error")]
     print(
         f"  checkers fired: {', '.join(fired) or '-'}; held: {', '.join(held) or '-'}"
         + (f"; could not decide: {', '.join(unknown)}" if unknown else "")
+        + (f"; not judged: {', '.join(idle)}" if idle else "")
     )
     for inc in r["incidents"]:
         print(f"  {inc['file']} [{inc['severity']}] {inc['title']}")
