@@ -243,29 +243,26 @@ class LiveRun:
                 self._check_oracle_queue()
 
     def _check_live(self, step: int) -> None:
-        """The queue, then every request still producing tokens, on what it produced so far."""
-        self._check_oracle_queue()
-        live = [r for r in self.logits if self.logits[r]]
-        if not live:
-            return
-        for req in live:
+        """The queue and every request still producing tokens (on what it produced so far), in
+        one set of padded passes."""
+        done = len(self.oracle_queue)
+        for req in [r for r in self.logits if self.logits[r]]:
             self._oracle(req, step, keep=True)
         queue, self.oracle_queue = self.oracle_queue, []
-        self._check(queue, report_held=False)
+        self._check(queue, live_from=done)
 
     def _check_oracle_queue(self) -> None:
         queue, self.oracle_queue = self.oracle_queue, []
         self._check(queue)
 
-    def _check(self, queue: list, report_held: bool = True) -> None:
-        """Check queued requests in padded passes and record them; report_held=False (a live
-        request's check so far) records only the diverged, which are then checked no more."""
+    def _check(self, queue: list, live_from: int | None = None) -> None:
+        """Check queued requests in padded passes and record them; those from live_from on are
+        live requests checked so far: only the diverged are recorded, then checked no more."""
         if queue and not self.cross_checked:
             self._cross_check(queue[0])
-        for (step, steps, _, mismatch), res in zip(
-            queue, self.oracle.check_many([q[2] for q in queue])
-        ):
-            if not report_held:
+        results = self.oracle.check_many([q[2] for q in queue])
+        for i, ((step, steps, _, mismatch), res) in enumerate(zip(queue, results)):
+            if live_from is not None and i >= live_from:
                 if res.first_divergence is None and mismatch is None:
                     continue
                 self.logits.pop(res.request, None)  # known now: never checked (or told) again
