@@ -60,9 +60,9 @@ def problem(snap, engine, num_blocks: int) -> str | None:
 
 
 def _ints(xs, lo: int, hi: int | None) -> bool:
+    """A list of ints (bools are not) in [lo, hi): checked at C speed, every step's table."""
     if not isinstance(xs, list):
         return False
-    return all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= lo and (hi is None or x < hi)
-        for x in xs
-    )
+    if not xs:
+        return True
+    return set(map(type, xs)) == {int} and min(xs) >= lo and (hi is None or max(xs) < hi)
