@@ -52,8 +52,8 @@ class Boundary:
             if kw:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
             object.__setattr__(self, "in_progress", (name, args))
-            free = manager.num_free_blocks if grows else None
             try:
+                free = manager.num_free_blocks if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
             except OutOfBlocks as refusal:
                 object.__setattr__(self, "in_progress", None)

@@ -217,7 +217,9 @@ class Engine:
     def refused(self, call: str, seq_id: str, tokens: int, refusal=None) -> None:
         """Count a refusal ("no room"): the manager's answer, which the scheduler works around.
         A refusal must change nothing: what it changed all the same goes in the event."""
-        free, needed = self.bm.num_free_blocks, self.bm.blocks_needed(seq_id, tokens)
+        # a fork asks for no new slots; growth asks the manager's own estimate
+        free = self.bm.num_free_blocks
+        needed = self.bm.blocks_needed(seq_id, tokens) if tokens else 0
         self.counters["refusals"] += 1
         self.counters["refusals_with_room"] += free >= needed
         data = {"call": call, "seq": seq_id, "tokens": tokens, "free": free, "needed": needed}
