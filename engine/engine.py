@@ -64,6 +64,8 @@ class Engine:
             )
         self.bm = Boundary(manager)  # every call into the manager recorded and guarded
         self.capabilities = capabilities(manager)
+        self.record_writes = False  # the harness asks: blocks written per sequence, each step
+        self.written: dict[str, set[int]] = {}
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = _decode_backend(config.resolved_backend())
@@ -443,6 +445,12 @@ class Engine:
             metas.append(
                 (torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks)
             )
+        if self.record_writes:  # the blocks rank 0's writes land in, by sequence (the harness's)
+            at, nb = (metas[0][0] // bs).tolist(), self.bm.num_blocks
+            ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
+            self.written = {}
+            for seq_id, block in zip(ids, at):  # an unused entry (-1) lands in the last block
+                self.written.setdefault(seq_id, set()).add(block % nb)
         self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
 

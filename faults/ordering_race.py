@@ -97,7 +97,7 @@ class OrderingRace(Fault):
         if finding["checker"] == "cross_rank":
             at = {x["step"]: set(x["ranks"]) for x in stale}
             return "cause" if at.get(finding["step"], set()) & set(ev.get("ranks", [])) else None
-        if finding["checker"] == "oracle_divergence":
+        if finding["checker"] == "oracle_divergence" or finding.get("kind") == "foreign_write":
             live = {r for x in stale for r in x["requests"]}
             return "cause" if ev.get("req") in live else None
         return None

@@ -318,3 +318,14 @@ def test_a_manager_without_fork_runs_with_its_fork_paths_not_applicable():
     assert not set(paths["not_applicable"]) & set(paths["not_exercised"])
     start = next(e for e in r.events if e["e"] == "run_start")
     assert start["capabilities"] == []
+
+
+def test_writes_are_checked_against_the_blocks_the_snapshot_lists():
+    """The engine's own slot mapping (where rank 0 wrote each sequence's KV) against the
+    manager's snapshot of the same step: a stale decode table sends writes into a block the
+    sequence does not hold (an unused entry lands in the pool's last block)."""
+    r = run("baseline-clean", manager="StaleDecodeTable")
+    stray = [f for f in r.findings if f.kind == "foreign_write"]
+    assert stray and r.verdict == "FAIL"
+    assert all(set(f.evidence["blocks"]).isdisjoint(f.evidence["owned"]) for f in stray)
+    assert not [f for f in run("baseline-clean").findings if f.kind == "foreign_write"]

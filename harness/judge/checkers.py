@@ -283,7 +283,23 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                         "foreign_block",
                     )
                 )
-    return _result("table_integrity", found, snaps)
+    return _result("table_integrity", found + _foreign_writes(events), snaps)
+
+
+def _foreign_writes(events: list[dict]) -> list[Finding]:
+    """Writes the engine's slot mapping sent into blocks the snapshot does not list for the
+    sequence (or lists as free): the table the kernel read disagrees with the manager's word."""
+    return [
+        Finding(
+            "table_integrity",
+            e["step"],
+            f"request {e['req']} wrote its KV into blocks {e['blocks'][:8]} it does not hold",
+            {"req": e["req"], "blocks": e["blocks"], "owned": e["owned"][:32]},
+            False,
+            "foreign_write",
+        )
+        for e in _of(events, "foreign_write")
+    ]
 
 
 def _rolling_min(xs: list[float], w: int) -> list[float]:

@@ -77,6 +77,8 @@ class LiveRun:
         self.planned = {a.req: list(a.prompt) for a in self.plan.actions if a.op == "submit"}
         self.cross_checked = False  # the shared model code against the reference, once a run
         self.known_diverged: set[str] = set()  # reported by a live check: not collected again
+        self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
+        self.engine.record_writes = observe
         self.telemetry = Telemetry.from_env(device)
 
     def snapshot(self, step: int) -> None:
@@ -87,9 +89,31 @@ class LiveRun:
         if wrong:  # the manager's word fails its own shape or the harness's record: a finding
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
+        self.last_snap = (step, snap)
         self.h.append(
             {"e": "snapshot", "step": step, **snap.to_dict(), "live": [s.id for s in e.running]}
         )
+
+    def _check_writes(self, step: int) -> None:
+        """The blocks each sequence's KV was written to this step (the engine's slot mapping, the
+        harness's own record) must be ones the snapshot of this step lists for it, none free."""
+        snap_step, snap = self.last_snap
+        if snap_step != step:
+            return
+        free = set(snap.free)
+        for req, blocks in self.engine.written.items():
+            owned = set(snap.seq_blocks.get(req, ()))
+            stray = sorted(b for b in blocks if b not in owned or b in free)
+            if stray:
+                self.h.append(
+                    {
+                        "e": "foreign_write",
+                        "step": step,
+                        "req": req,
+                        "blocks": stray,
+                        "owned": sorted(owned),
+                    }
+                )
 
     def arm(self) -> None:
         """Attach the faults to the engine's seams (after run_start: the history opens with it).
@@ -300,6 +324,8 @@ class LiveRun:
                 f.before_step(e, step)
             out = e.step()
             st = out.stats
+            if self.observe and out.stats.decode_tokens + out.stats.prefill_tokens:
+                self._check_writes(st.step)
             for f in self.faults:
                 f.after_step(e, st.step, out)
             if not self.observe:
