@@ -191,7 +191,7 @@ def run_scenario(
         "error": error,
         "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": v.time_to_detect,
-        "credits": [{"checker": c, "step": s, "fault": f, "how": h} for c, s, f, h in v.credits],
+        "credits": v.credit_rows(),
         "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks],
         "history_digest": history.digest(),

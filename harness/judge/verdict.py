@@ -44,6 +44,10 @@ class Verdict:
     def exit_code(self) -> int:
         return EXIT_CODES[self.verdict]
 
+    def credit_rows(self) -> list[dict]:
+        """Each finding and the planted fault that explains it (results.json's "credits")."""
+        return [{"checker": c, "step": s, "fault": f, "how": h} for c, s, f, h in self.credits]
+
 
 def current(verdict: str | None) -> str | None:
     """A recorded verdict in today's names."""

@@ -91,6 +91,7 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
         "history_digest": deterministic_digest(events),
         "metrics": _metrics(events),
         "exercised": paths,
+        "credits": verdict.credit_rows(),
         "replay": stored.get("replay") or replay_command(sc, seed, device),
         "analyzed_from": current(stored.get("verdict")),
     }
