@@ -62,20 +62,19 @@ class OrderingRace(Fault):
         self._waits = waits
         # The engine's own record: ranks that computed on an old table with other content.
         ranks = output.stats.stale_tables
-        if ranks or self.stale:
-            snap = engine.bm.snapshot()  # stale writes may land in any block held then
         if ranks:
             live = sorted({s.id for s in engine.running} | set(output.finished))
+            snap = engine.bm.snapshot()  # stale writes may land in any block held then
             self.touch(blocks={b for bs in snap.seq_blocks.values() for b in bs})
             self.stale_reads += 1
             self.stale.append({"step": step, "ranks": ranks, "requests": live})
             self.touch(requests=live)
             self.fired(step, {"ranks": ranks, "table_version": output.stats.table_version})
-        if self.stale:
-            self._holders(snap)
 
     def before_step(self, engine, step) -> None:
-        if self.stale:  # a request forked or admitted now may be done before after_step sees it
+        # a fork made now shares blocks written on a stale table, and may be done within the
+        # step; a block handed out fresh is written by its new owner before it is read
+        if self.stale:
             self._holders(engine.bm.snapshot())
 
     def _holders(self, snap) -> None:

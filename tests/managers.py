@@ -1,5 +1,5 @@
 """Block managers written as a user would: behaviours real managers have (preallocation, refusals
-under pressure, a watermark) and bugs they ship (a stale decode table, rows left behind, crashes,
+under pressure, a watermark) and bugs they ship (rows left behind, crashes,
 a refusal that leaves a trace). Plugged in by spec, e.g. "managers:Preallocating"."""
 
 from __future__ import annotations
@@ -115,21 +115,6 @@ class TracedRefusal(Delegate):
             self.inner.pool.allocate()  # taken, never given back
             raise OutOfBlocks(f"{seq_id}: not now")
         return self.inner.append(seq_id, n)
-
-
-class StaleDecodeTable(BlockManager):
-    """The decode path's table upload is stale: a decode step's new block never reaches the
-    table, so the kernel reads an unused entry."""
-
-    def append_decode(self, seq_ids):
-        before = {s: len(self.blocks[s]) for s in seq_ids}
-        copies = super().append_decode(seq_ids)
-        w = self.table.width
-        for s in seq_ids:
-            i = len(self.blocks[s]) - 1
-            if i >= before[s] and i < w:
-                self.table.host[self.rows[s] * w + i] = -1
-        return copies
 
 
 class LeavesRowsBehind(BlockManager):

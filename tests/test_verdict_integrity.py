@@ -22,12 +22,14 @@ DETECT = {
     "staging-stall-detect": "staging_stall",
     "ordering-race-detect": "ordering_race",
 }
+# a decode-path table upload that never writes the new block: the selftest's canary
+STALE_DECODE_TABLE = "kvchaos.harness.tools.canaries:DecodeTableNotUploaded"
 CLEAN = ["baseline-clean", "mixed-clean", "refcount-leak-clean", "table-overflow-clean"]
 
 
 def run(name_or_sc, seed=0, manager=None, **kw):
     sc = load_scenario(name_or_sc) if isinstance(name_or_sc, str) else name_or_sc
-    spec = f"managers:{manager}" if manager else None
+    spec = (manager if ":" in manager else f"managers:{manager}") if manager else None
     return run_scenario(sc, seed, "cpu", None, block_manager_spec=spec, **kw)
 
 
@@ -46,7 +48,7 @@ def edited(name: str, edit) -> object:
 def test_a_stale_decode_table_fails_a_detect_scenario_it_cannot_be_credited_to():
     """Before: staging-stall-detect said PASS (latency caught the stall) while the oracle
     diverged from step 3 under a manager whose decode-path table upload is stale."""
-    r = run("staging-stall-detect", manager="StaleDecodeTable")
+    r = run("staging-stall-detect", manager=STALE_DECODE_TABLE)
     assert r.verdict == "FAIL", r.summary
     assert "explained by no planted fault" in r.summary
 
@@ -324,7 +326,7 @@ def test_writes_are_checked_against_the_blocks_the_snapshot_lists():
     """The engine's own slot mapping (where rank 0 wrote each sequence's KV) against the
     manager's snapshot of the same step: a stale decode table sends writes into a block the
     sequence does not hold (an unused entry lands in the pool's last block)."""
-    r = run("baseline-clean", manager="StaleDecodeTable")
+    r = run("baseline-clean", manager=STALE_DECODE_TABLE)
     stray = [f for f in r.findings if f.kind == "foreign_write"]
     assert stray and r.verdict == "FAIL"
     assert all(set(f.evidence["blocks"]).isdisjoint(f.evidence["owned"]) for f in stray)

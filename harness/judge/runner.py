@@ -170,9 +170,6 @@ def run_scenario(
     history.close()
     events = history.events
     checks, v = evaluate(sc, events, verify, error)
-    paths = exercised(events)
-    if v.verdict == "PASS" and paths["not_exercised"]:  # a PASS says what it did not cover
-        v.summary += f"; not exercised: {', '.join(paths['not_exercised'])}"
     results = {
         "scenario": sc.name,
         "seed": seed,
@@ -196,7 +193,7 @@ def run_scenario(
         "checkers": [c.to_dict() for c in checks],
         "history_digest": history.digest(),
         "metrics": _metrics(events),
-        "exercised": paths,
+        "exercised": v.exercised,
         "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
     }
     if (
@@ -242,7 +239,11 @@ def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None,
     )
     mark_manifest(checks, events)
     tokens = sum(len(e.get("tokens", {})) for e in events if e.get("e") == "step")
-    return checks, decide(sc, checks, verify, error, {"tokens": tokens})
+    v = decide(sc, checks, verify, error, {"tokens": tokens})
+    v.exercised = exercised(events)
+    if v.verdict == "PASS" and v.exercised["not_exercised"]:  # a PASS says what it did not cover
+        v.summary += f"; not exercised: {', '.join(v.exercised['not_exercised'])}"
+    return checks, v
 
 
 def mark_manifest(checks: list, events: list[dict]) -> None:

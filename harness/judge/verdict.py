@@ -39,6 +39,7 @@ class Verdict:
     summary: str
     time_to_detect: dict  # fault name -> steps from its first firing to when a catch was known
     credits: list = field(default_factory=list)  # per finding: (checker, step, fault, how)
+    exercised: dict = field(default_factory=dict)  # the manager paths the run exercised
 
     @property
     def exit_code(self) -> int:

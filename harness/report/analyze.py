@@ -36,7 +36,6 @@ def _scenario_of(run_dir: Path, name: str | None):
 
 def analyze(run_dir: Path | str, plots: bool = True) -> dict:
     """Re-check a stored run and rewrite its results and reports; returns the new results."""
-    from kvchaos.harness.judge.exercised import exercised
     from kvchaos.harness.judge.runner import _metrics, evaluate, replay_command
 
     run_dir = Path(run_dir)
@@ -66,9 +65,6 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
         }
     verify = v.end["fault_verify"] if v.end else {}
     checks, verdict = evaluate(sc, events, verify, error)
-    paths = exercised(events)
-    if verdict.verdict == "PASS" and paths["not_exercised"]:  # as the runner words a PASS
-        verdict.summary += f"; not exercised: {', '.join(paths['not_exercised'])}"
     seed = v.start.get("seed", stored.get("seed"))
     device = v.start.get("device", stored.get("device", "cpu"))
     results = {
@@ -90,7 +86,7 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
         "checkers": [c.to_dict() for c in checks],
         "history_digest": deterministic_digest(events),
         "metrics": _metrics(events),
-        "exercised": paths,
+        "exercised": verdict.exercised,
         "credits": verdict.credit_rows(),
         "replay": stored.get("replay") or replay_command(sc, seed, device),
         "analyzed_from": current(stored.get("verdict")),
