@@ -14,6 +14,7 @@ from kvchaos.engine.errors import KVChaosError, OutOfBlocks
 
 CALLS = ("blocks_needed", "append", "append_decode", "fork", "free", "resize_table", "snapshot")
 PROPERTIES = ("num_blocks", "num_free_blocks", "num_free_rows")
+LOW_POOL_BLOCKS = 16  # at or below this many free blocks a refusal is plausible: snapshot first
 
 
 class ManagerError(KVChaosError):
@@ -23,6 +24,37 @@ class ManagerError(KVChaosError):
         self.call, self.args_, self.error = call, args, error
         self.traceback = "".join(traceback.format_exception(error))
         super().__init__(f"{describe(call, args)} raised {type(error).__name__}: {error}")
+
+
+def state_change(before, after) -> str | None:
+    """What differs between two snapshots, in words (None when nothing observable does)."""
+    out = []
+    if set(before.free) != set(after.free):
+        taken, given = (
+            sorted(set(before.free) - set(after.free)),
+            sorted(set(after.free) - set(before.free)),
+        )
+        out.append(f"free set: taken {taken[:8]}, returned {given[:8]}")
+    refs = [b for b, (x, y) in enumerate(zip(before.ref_counts, after.ref_counts)) if x != y]
+    if refs:
+        b = refs[0]
+        out.append(
+            f"ref counts of {len(refs)} blocks (block {b}: {before.ref_counts[b]} -> "
+            f"{after.ref_counts[b]})"
+        )
+    seqs = sorted(
+        s
+        for s in set(before.seq_blocks) | set(after.seq_blocks)
+        if before.seq_blocks.get(s) != after.seq_blocks.get(s)
+    )
+    if seqs:
+        s = seqs[0]
+        out.append(
+            f"blocks of {seqs[:4]} ({s}: {before.seq_blocks.get(s)} -> {after.seq_blocks.get(s)})"
+        )
+    if before.seq_rows != after.seq_rows or before.table != after.table:
+        out.append("table rows")
+    return "; ".join(out) or None
 
 
 def describe(call: str, args: tuple) -> str:
@@ -37,14 +69,13 @@ class Boundary:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
         object.__setattr__(self, "calls", dict.fromkeys(CALLS, 0))  # calls made, by name
+        object.__setattr__(self, "refusals", 0)
         for name in CALLS:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
 
     def _guard(self, name: str, fn):
         calls = self.calls
-
-        manager = self.manager
         grows = name in ("append", "append_decode", "fork")
 
         def call(*args, **kw):
@@ -53,12 +84,12 @@ class Boundary:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
             object.__setattr__(self, "in_progress", (name, args))
             try:
-                free = manager.num_free_blocks if grows else None
+                before = self._before_growth() if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
             except OutOfBlocks as refusal:
                 object.__setattr__(self, "in_progress", None)
-                if grows and manager.num_free_blocks != free:  # a refusal must change nothing
-                    refusal.changed = f"free blocks {free} -> {manager.num_free_blocks}"
+                if grows:  # a refusal must change nothing
+                    refusal.changed = self._changed_by_refusal(before)
                 raise
             except Exception as e:
                 raise ManagerError(name, args, e) from e
@@ -67,6 +98,24 @@ class Boundary:
 
         call.__name__ = name
         return call
+
+    def _before_growth(self):
+        """What a refusal of the coming call must leave as it is. A full snapshot when a refusal
+        is plausible (the pool is low, or the manager has refused before); else the free count,
+        so a pool with room pays no snapshot per call."""
+        m = self.manager
+        free = m.num_free_blocks
+        if self.refusals or free <= max(LOW_POOL_BLOCKS, m.num_blocks // 8):
+            return free, m.snapshot()
+        return free, None
+
+    def _changed_by_refusal(self, before) -> str | None:
+        object.__setattr__(self, "refusals", self.refusals + 1)
+        free, snap = before
+        after = self.manager.num_free_blocks
+        if snap is None:
+            return f"free blocks {free} -> {after}" if after != free else None
+        return state_change(snap, self.manager.snapshot())
 
     def _read(self, name: str):
         object.__setattr__(self, "in_progress", (name, ()))

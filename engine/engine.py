@@ -65,7 +65,7 @@ class Engine:
         self.bm = Boundary(manager)  # every call into the manager recorded and guarded
         self.capabilities = capabilities(manager)
         self.record_writes = False  # the harness asks: blocks written per sequence, each step
-        self.written: dict[str, set[int]] = {}
+        self.written: dict[str, dict[int, set[int]]] = {}  # seq -> block -> ranks writing it
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = _decode_backend(config.resolved_backend())
@@ -445,12 +445,14 @@ class Engine:
             metas.append(
                 (torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks)
             )
-        if self.record_writes:  # the blocks rank 0's writes land in, by sequence (the harness's)
-            at, nb = (metas[0][0] // bs).tolist(), self.bm.num_blocks
+        if self.record_writes:  # the blocks each rank's writes land in, by sequence (the harness's)
+            nb = self.bm.num_blocks
             ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
             self.written = {}
-            for seq_id, block in zip(ids, at):  # an unused entry (-1) lands in the last block
-                self.written.setdefault(seq_id, set()).add(block % nb)
+            for rank, meta in enumerate(metas):
+                for seq_id, block in zip(ids, (meta[0] // bs).tolist()):
+                    # an unused entry (-1) lands in the last block
+                    self.written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
         self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
 

@@ -90,27 +90,3 @@ class Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(hidden, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
-
-    def forward_contiguous(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The oracle's path: one causal pass over whole sequences with plain SDPA on contiguous K/V
-        (GQA by repeating heads). tokens [R, T] (rows right-padded: under a causal mask a padded
-        tail never reaches the positions before it) -> hidden states [R, T, hidden] (before the
-        final norm: logits() on the rows wanted)."""
-        r, t = tokens.shape
-        groups = self.cfg.num_heads // self.cfg.num_kv_heads
-
-        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k, v = (
-                x.view(r, t, x.shape[1], x.shape[2]).transpose(1, 2).float() for x in (q, k, v)
-            )
-            o = F.scaled_dot_product_attention(
-                q,
-                k.repeat_interleave(groups, dim=1),
-                v.repeat_interleave(groups, dim=1),
-                is_causal=True,
-                scale=self.scale,
-            )  # [R, H, T, D]
-            return o.transpose(1, 2).reshape(r * t, o.shape[1], o.shape[3]).to(self.cfg.torch_dtype)
-
-        positions = torch.arange(t, device=self.device).repeat(r)
-        return self.forward(tokens.reshape(-1), positions, attend).view(r, t, -1)

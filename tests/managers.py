@@ -203,3 +203,15 @@ class WithoutFork(Delegate):
 
     fork = None
     capabilities = frozenset()
+
+
+class RefusalBumpsRef(Delegate):
+    """A refusal that leaves a trace the free count cannot show: it bumps a held block's ref."""
+
+    def append(self, seq_id, n):
+        self.calls += 1
+        held = [b for bs in self.inner.blocks.values() for b in bs]
+        if held and self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.calls % 5 == 0:
+            self.inner.pool.incref(held[0])  # one more holder nobody will release
+            raise OutOfBlocks(f"{seq_id}: not now")
+        return self.inner.append(seq_id, n)

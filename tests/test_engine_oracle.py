@@ -457,3 +457,28 @@ def test_batched_oracle_checks_equal_one_by_one_and_pinpoint_a_corrupt_row():
     assert got[victim].first_divergence == bad.shape[0] - 1
     assert all(r.first_divergence is None for i, r in enumerate(got[:-1]) if i != victim)
     assert got[-1].checked == 0  # no rows: nothing to check
+
+
+def test_a_live_request_checked_in_pieces_equals_one_whole_check():
+    """A live request is checked as it grows, each time feeding only its new tokens against the
+    contiguous cache of the earlier ones: the results equal one check of the whole, and a wrong
+    row in a later piece is found at its index in the whole."""
+    eng = Driver(make_engine(), make_workload(11, 9, prompt=(1, 30), out=(6, 12))).run()
+    seqs = [s for s in eng.engine.seqs.values() if len(eng.logits.get(s.id, [])) >= 6]
+    assert len(seqs) >= 3
+    whole = Oracle(eng.engine.model)
+    pieces = Oracle(eng.engine.model)
+    for s in seqs:
+        rows = torch.stack(eng.logits[s.id])
+        bad = rows.clone()
+        bad[-1, 3] += 1.0  # in the last piece
+        for cut in (1, 3, rows.shape[0] - 1):
+            part = pieces.check_many([(s.id, s.tokens, s.prompt_len, rows[:cut])], keep={s.id})[0]
+            assert part.first_divergence is None and part.checked == cut
+        assert pieces.past[s.id].checked == rows.shape[0] - 1
+        got = pieces.check_many([(s.id, s.tokens, s.prompt_len, bad)])[0]
+        one = whole.check(s.id, s.tokens, s.prompt_len, bad)
+        assert got.first_divergence == one.first_divergence == rows.shape[0] - 1
+        assert got.checked == one.checked == rows.shape[0]
+        assert got.max_abs_err == pytest.approx(one.max_abs_err, abs=1e-5)
+        assert s.id not in pieces.past  # its last check: the cache is dropped

@@ -303,7 +303,15 @@ def test_a_divergence_is_known_within_eight_steps_whatever_the_batching(name, se
 def test_a_refusal_that_changed_the_manager_is_named_as_such():
     r = run("refcount-leak-clean", 0, "TracedRefusal")
     changed = [f for f in r.findings if f.kind == "refusal_changed_state"]
-    assert changed and "free blocks" in changed[0].evidence["changed"]
+    assert changed and "free" in changed[0].evidence["changed"]
+
+
+def test_a_refusal_that_changed_only_a_ref_count_is_caught():
+    # the free count is unchanged: only the snapshots before and after the refused call differ
+    r = run("refcount-leak-clean", 0, "RefusalBumpsRef")
+    changed = [f for f in r.findings if f.kind == "refusal_changed_state"]
+    assert r.verdict == "FAIL" and changed, r.summary
+    assert "ref counts" in changed[0].evidence["changed"]
 
 
 # -- 11. every protocol addition is optional ------------------------------------------------------
@@ -331,3 +339,21 @@ def test_writes_are_checked_against_the_blocks_the_snapshot_lists():
     assert stray and r.verdict == "FAIL"
     assert all(set(f.evidence["blocks"]).isdisjoint(f.evidence["owned"]) for f in stray)
     assert not [f for f in run("baseline-clean").findings if f.kind == "foreign_write"]
+
+
+# -- 12. the slot mapping of every rank, not rank 0 alone ------------------------------------------
+def test_a_stale_rank_writing_into_blocks_it_does_not_hold_is_caught_and_credited_to_the_race():
+    r = run("ordering-race-detect", 0)
+    stray = [f for f in r.findings if f.kind == "foreign_write"]
+    assert stray and all(f.evidence["ranks"] == [1] for f in stray), [f.message for f in stray]
+    credited = {(c["step"], c["checker"]) for c in r.results["credits"]}
+    assert all((f.step, "table_integrity") in credited for f in stray)
+    # the same write by a rank that was not stale at that step is no consequence of the race
+    from dataclasses import asdict
+
+    from kvchaos.faults.ordering_race import OrderingRace
+
+    truth = r.results["fault_verify"]["ordering_race"]
+    f = asdict(stray[0])
+    assert OrderingRace.explains(f, truth) == "cause"
+    assert OrderingRace.explains({**f, "evidence": {**f["evidence"], "ranks": [0]}}, truth) is None

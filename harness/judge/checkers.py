@@ -293,8 +293,14 @@ def _foreign_writes(events: list[dict]) -> list[Finding]:
         Finding(
             "table_integrity",
             e["step"],
-            f"request {e['req']} wrote its KV into blocks {e['blocks'][:8]} it does not hold",
-            {"req": e["req"], "blocks": e["blocks"], "owned": e["owned"][:32]},
+            f"request {e['req']} wrote its KV into blocks {e['blocks'][:8]} it does not hold"
+            + (f" (rank {', '.join(map(str, e['ranks']))})" if e.get("ranks", [0]) != [0] else ""),
+            {
+                "req": e["req"],
+                "blocks": e["blocks"],
+                "owned": e["owned"][:32],
+                "ranks": e.get("ranks", [0]),
+            },
             False,
             "foreign_write",
         )

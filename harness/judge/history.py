@@ -44,9 +44,8 @@ class History:
         self._hash = hashlib.sha256()
 
     def append(self, event: dict) -> None:
-        line = _encode(event)
-        # most events hold nothing unstable: their line is the stable line (one encode, not two)
-        self._hash.update(_stable_line(event) if _has_unstable(event) else line.encode())
+        line, stable = _lines(event)
+        self._hash.update(stable.encode())
         if self._f:
             self._f.write(line + "\n")
         if self.events is not None:
@@ -105,6 +104,22 @@ def _has_unstable(d: dict) -> bool:
 _encode = json.JSONEncoder(
     separators=(",", ":")
 ).encode  # one encoder: json.dumps with options builds one per call
+
+
+def _lines(event: dict) -> tuple[str, str]:
+    """An event's line and its stable line, encoding the bulk once: most events hold nothing
+    unstable, and a step's unstable fields are top-level numbers, written after the rest."""
+    if UNSTABLE_KEYS.isdisjoint(event):
+        if not any(isinstance(v, dict) and _has_unstable(v) for v in event.values()):
+            line = _encode(event)
+            return line, line
+    elif not any(isinstance(v, dict) for k, v in event.items() if k in UNSTABLE_KEYS):
+        rest = {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
+        if rest and not _has_unstable(rest):
+            stable = _encode(rest)
+            extra = _encode({k: v for k, v in event.items() if k in UNSTABLE_KEYS})
+            return f"{stable[:-1]},{extra[1:]}", stable
+    return _encode(event), _encode(_stable(event))
 
 
 def _stable_line(event: dict) -> bytes:

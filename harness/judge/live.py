@@ -112,6 +112,7 @@ class LiveRun:
                         "req": req,
                         "blocks": stray,
                         "owned": sorted(owned),
+                        "ranks": sorted(set().union(*(blocks[b] for b in stray))),
                     }
                 )
 
@@ -284,7 +285,8 @@ class LiveRun:
         live requests checked so far: only the diverged are recorded, then checked no more."""
         if queue and not self.cross_checked:
             self._cross_check(queue[0])
-        results = self.oracle.check_many([q[2] for q in queue])
+        live = {q[2][0] for q in queue[live_from:]} if live_from is not None else set()
+        results = self.oracle.check_many([q[2] for q in queue], keep=live)
         for i, ((step, steps, _, mismatch), res) in enumerate(zip(queue, results)):
             if live_from is not None and i >= live_from:
                 if res.first_divergence is None and mismatch is None:
@@ -307,7 +309,7 @@ class LiveRun:
         self.cross_checked = True
         step, _, (req, tokens, prompt_len, rows), _ = item
         fed = tokens[: prompt_len + rows.shape[0] - 1]
-        res = cross_check(self.engine.model, fed, self.oracle.atol, self.oracle.rtol)
+        res = cross_check(self.oracle, fed)
         self.h.append({"e": "reference", "step": step, "req": req, **res})
 
     # -- the loop ---------------------------------------------------------------------

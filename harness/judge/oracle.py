@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvchaos.engine.model import Model
 
 # A padded pass costs at most this many times its requests' own tokens; longer ones go in another.
 PAD_SLACK = 1.5
+PAD_FREE = 64  # ... unless the padding is this few tokens: a pass costs more than they do
 # (atol, rtol) by dtype: float32 tight; half precisions as vLLM and FlashInfer test them.
 TOLERANCES = {
     torch.float32: (1e-4, 1e-4),
@@ -40,10 +42,25 @@ class OracleResult:
         return asdict(self)
 
 
+@dataclass
+class _Past:
+    """A live request's contiguous cache: the K/V of the tokens fed so far, per layer, and what
+    its checks found so far (a live request is checked again as it grows: only its new tokens
+    are fed then, attending to this cache)."""
+
+    fed: list[int]
+    k: list[torch.Tensor]  # per layer [Hkv, len(fed), D], K after rotation
+    v: list[torch.Tensor]
+    checked: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+
+
 class Oracle:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.atol, self.rtol = TOLERANCES[model.cfg.torch_dtype]
+        self.past: dict[str, _Past] = {}
 
     def check(
         self, request: str, tokens: list[int], prompt_len: int, logits: torch.Tensor
@@ -53,41 +70,140 @@ class Oracle:
 
     @torch.inference_mode()
     def check_many(
-        self, items: list[tuple[str, list[int], int, torch.Tensor]]
+        self, items: list[tuple[str, list[int], int, torch.Tensor]], keep: set[str] = frozenset()
     ) -> list[OracleResult]:
         """check() for several requests, in padded passes over requests of similar length (the tiny
-        reference model's cost is mostly per op, so one pass for many requests is far cheaper)."""
+        reference model's cost is mostly per op, so one pass for many requests is far cheaper).
+        keep: live requests, checked again later on more rows: their cache is kept, so the next
+        check feeds only the tokens since (a check without keep is the request's last)."""
         out = [OracleResult(req, 0, 0.0, 0.0, None) for req, *_ in items]
-        # The engine's logits row j came from the prefix tokens[:prompt_len + j]: feed every
-        # token but the last.
-        todo = sorted(
-            (it[2] + it[3].shape[0] - 1, i) for i, it in enumerate(items) if it[3].shape[0]
-        )
-        group: list[tuple[int, int]] = []
-        for n, i in todo:
-            if group and n * (len(group) + 1) > PAD_SLACK * (sum(g[0] for g in group) + n):
-                self._check_group(items, group, out)
+        feeds = []  # (new tokens to feed, item index, past or None)
+        for i, (req, tokens, prompt_len, rows) in enumerate(items):
+            past = self.past.pop(req, None)
+            # The engine's logits row j came from the prefix tokens[:prompt_len + j]: feed every
+            # token but the last.
+            fed = tokens[: prompt_len + rows.shape[0] - 1]
+            if past is not None and fed[: len(past.fed)] != past.fed:
+                past = None  # not a prefix of what it fed before: start over
+            if rows.shape[0]:
+                feeds.append((len(fed) - (len(past.fed) if past else 0), i, past))
+        group: list = []
+        for m, i, past in sorted(feeds, key=lambda f: (f[0], f[1])):
+            padded, own = m * (len(group) + 1), sum(g[0] for g in group) + m
+            if group and padded > PAD_SLACK * own and padded - own > PAD_FREE:
+                self._check_group(items, group, out, keep)
                 group = []
-            group.append((n, i))
+            group.append((m, i, past))
         if group:
-            self._check_group(items, group, out)
+            self._check_group(items, group, out, keep)
         return out
 
-    def _check_group(self, items, group: list[tuple[int, int]], out: list[OracleResult]) -> None:
-        batch = torch.zeros(
-            len(group), group[-1][0], dtype=torch.long
-        )  # sorted: the last is the longest
-        for row, (n, i) in enumerate(group):
-            batch[row, :n] = torch.tensor(items[i][1][:n])
-        hidden = self.model.forward_contiguous(batch.to(self.model.device))
-        # Logits only where the engine produced some: from each prompt's last token on.
-        refs = self.model.logits(
-            torch.cat([hidden[row, items[i][2] - 1 : n] for row, (n, i) in enumerate(group)])
+    def hidden(self, tokens: list[int]) -> torch.Tensor:
+        """The oracle's path on one whole sequence, no cache: hidden states [T, hidden]."""
+        batch = torch.tensor([tokens], dtype=torch.long)
+        return self._forward(batch, [0], [None])[0][0]
+
+    def _forward(self, batch: torch.Tensor, lens: list[int], pasts: list):
+        """batch [R, M] new tokens of requests whose caches hold lens[r] tokens (pasts[r], or
+        None) -> hidden [R, M, hidden] and the new tokens' K/V per layer ([R, Hkv, M, D])."""
+        model, cfg = self.model, self.model.cfg
+        r, m = batch.shape
+        p_max, dev = max(lens), model.device
+        positions = (torch.tensor(lens)[:, None] + torch.arange(m)[None, :]).clamp(
+            max=cfg.max_position - 1
         )
-        for (n, i), ref in zip(group, refs.cpu().split([items[i][3].shape[0] for _, i in group])):
-            out[i] = self._compare(items[i][0], items[i][3].float(), ref)
+        # a query sees the cached keys of its own request and the new keys up to itself
+        key = torch.arange(p_max)
+        mask = torch.cat(
+            [
+                (key[None, :] < torch.tensor(lens)[:, None])[:, None, :].expand(r, m, p_max),
+                (torch.arange(m)[None, :] <= torch.arange(m)[:, None])[None].expand(r, m, m),
+            ],
+            dim=-1,
+        )[:, None].to(dev)  # [R, 1, M, P+M]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        new_k, new_v = [], []
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k, v = (x.view(r, m, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+            new_k.append(k)
+            new_v.append(v)
+            if p_max:
+                pk, pv = (
+                    torch.zeros(r, cfg.num_kv_heads, p_max, cfg.head_dim, dtype=k.dtype, device=dev)
+                    for _ in range(2)
+                )
+                for row, past in enumerate(pasts):
+                    if past:
+                        pk[row, :, : lens[row]] = past.k[layer]
+                        pv[row, :, : lens[row]] = past.v[layer]
+                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+            o = F.scaled_dot_product_attention(
+                q.float(),
+                k.float().repeat_interleave(groups, dim=1),
+                v.float().repeat_interleave(groups, dim=1),
+                attn_mask=mask,
+                scale=model.scale,
+            )  # [R, H, M, D]
+            return o.transpose(1, 2).reshape(r * m, o.shape[1], o.shape[3]).to(cfg.torch_dtype)
+
+        hidden = model.forward(batch.reshape(-1).to(dev), positions.reshape(-1).to(dev), attend)
+        return hidden.view(r, m, -1), new_k, new_v
+
+    def _check_group(self, items, group: list, out: list[OracleResult], keep) -> None:
+        model, cfg = self.model, self.model.cfg
+        r, m = len(group), max(1, group[-1][0])  # sorted: the last feeds the most
+        lens = [len(p.fed) if p else 0 for _, _, p in group]
+        batch = torch.zeros(r, m, dtype=torch.long)
+        fed_all = []
+        for row, (n, i, past) in enumerate(group):
+            req, tokens, prompt_len, rows = items[i]
+            fed = tokens[: prompt_len + rows.shape[0] - 1]
+            fed_all.append(fed)
+            batch[row, :n] = torch.tensor(fed[lens[row] :], dtype=torch.long)
+        hidden, new_k, new_v = self._forward(batch, lens, [p for _, _, p in group])
+        # Logits only where the engine produced some and not yet checked: from each prompt's
+        # last token on, past what an earlier check of it compared.
+        spans = []
+        for row, (n, i, _) in enumerate(group):
+            prompt_len = items[i][2]
+            lo = max(prompt_len - 1, lens[row])  # first position whose row is new
+            spans.append((lo - lens[row], lo - lens[row] + max(0, lens[row] + n - lo)))
+        refs = model.logits(torch.cat([hidden[row, a:b] for row, (a, b) in enumerate(spans)]))
+        for row, ((n, i, past), ref) in enumerate(
+            zip(group, refs.cpu().split([b - a for a, b in spans]))
+        ):
+            req, _, prompt_len, rows = items[i]
+            first_row = max(0, lens[row] - prompt_len + 1)  # rows before were checked already
+            res = self._compare(req, rows[first_row:].float(), ref)
+            res.first_divergence = (
+                None if res.first_divergence is None else res.first_divergence + first_row
+            )
+            if past is not None:
+                res.checked += past.checked
+                res.max_abs_err = max(res.max_abs_err, past.max_abs)
+                res.max_rel_err = max(res.max_rel_err, past.max_rel)
+            out[i] = res
+            if req in keep and not res.diverged:
+                ks = [
+                    torch.cat([past.k[L], new_k[L][row, :, :n]], 1)
+                    if past
+                    else new_k[L][row, :, :n]
+                    for L in range(cfg.num_layers)
+                ]
+                vs = [
+                    torch.cat([past.v[L], new_v[L][row, :, :n]], 1)
+                    if past
+                    else new_v[L][row, :, :n]
+                    for L in range(cfg.num_layers)
+                ]
+                self.past[req] = _Past(
+                    list(fed_all[row]), ks, vs, res.checked, res.max_abs_err, res.max_rel_err
+                )
 
     def _compare(self, request: str, got: torch.Tensor, ref: torch.Tensor) -> OracleResult:
+        if not got.shape[0]:  # nothing new since the last check
+            return OracleResult(request, 0, 0.0, 0.0, None)
         err = (got - ref).abs().amax(-1)
         scale = ref.abs().amax(-1)
         tol = self.atol + self.rtol * scale

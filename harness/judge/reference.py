@@ -54,11 +54,11 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     return _norm(x, f64(model.final_norm), cfg.rms_eps) @ f64(model.lm_head).T
 
 
-def cross_check(model, tokens: list[int], atol: float, rtol: float) -> dict:
+def cross_check(oracle, tokens: list[int]) -> dict:
     """The shared forward (the oracle's path) against the reference on one token sequence."""
+    model, atol, rtol = oracle.model, oracle.atol, oracle.rtol
     with torch.inference_mode():
-        hidden = model.forward_contiguous(torch.tensor([tokens], device=model.device))
-        shared = model.logits(hidden[0]).to("cpu", torch.float64)
+        shared = model.logits(oracle.hidden(tokens)).to("cpu", torch.float64)
     ref = reference_logits(model, tokens)
     err = (shared - ref).abs().amax(-1)
     tol = atol + rtol * ref.abs().amax(-1)

@@ -5,6 +5,8 @@ the checkers; its problem becomes a finding against the manager."""
 
 from __future__ import annotations
 
+from itertools import chain
+
 
 def problem(snap, engine, num_blocks: int) -> str | None:
     """What is wrong with a snapshot, in one line, or None."""
@@ -20,8 +22,11 @@ def problem(snap, engine, num_blocks: int) -> str | None:
     if not _ints(refs, 0, None) or len(refs) != n:
         return f"ref_counts is not {n} non-negative ints"
     blocks, rows = d.get("seq_blocks"), d.get("seq_rows")
-    if not isinstance(blocks, dict) or not all(
-        isinstance(k, str) and _ints(v, 0, n) for k, v in blocks.items()
+    if (
+        not isinstance(blocks, dict)
+        or set(map(type, blocks)) - {str}
+        or set(map(type, blocks.values())) - {list}
+        or not _ints(list(chain.from_iterable(blocks.values())), 0, n)
     ):
         return "seq_blocks does not map sequence ids to block ids in the pool"
     table, width = d.get("table"), d.get("table_width")
