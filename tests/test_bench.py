@@ -19,6 +19,8 @@ METRICS = {
     "pool_vs_nanovllm",
     "pool_scale_1m_vs_1k",
     "pool_scale_1m_vs_1k_shared",
+    "prefix_revive_1m_vs_1k",
+    "nanovllm_revive_1m_vs_1k",
     "build_1m_blockmanager_s",
     "decode_bookkeeping_us",
     "engine_decode_b1_steps_per_s",
@@ -40,6 +42,7 @@ SHARES = {
 WITH_BASELINE = METRICS - SHARES - {"engine_decode_b1_steps_per_s"}
 WITH_TARGET = METRICS - {
     "pool_vs_nanovllm",
+    "nanovllm_revive_1m_vs_1k",
     "engine_decode_b8_ctx512_steps_per_s",
     "engine_host_share_b1",
     "engine_host_share_b8_ctx512",

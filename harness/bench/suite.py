@@ -8,6 +8,8 @@ What is measured, and against what:
     (deque free_block_ids + set used_block_ids + Block objects with ref_count).
   - BlockPool per-op time with 1,000,000 blocks against 1,000 blocks (O(1): ratio ~1), plain and
     with a fork still holding the freed block (decref does not free; the pool hands out another).
+  - Prefix cache: reviving a cached free block from the middle of the free queue, 1M- vs 1k-block
+    PrefixBlockPool (intrusive linked list), beside the same for nano-vllm's deque.remove.
   - Building a 1,000,000-block BlockManager, against building a bare list free pool.
   - Decode bookkeeping: 64 sequences appending one token per step through
     BlockManager.append_decode, against nano-vllm's per-sequence may_append (no prefix hashing).
@@ -43,6 +45,7 @@ from kvchaos.harness.bench.blocks import (
 )
 from kvchaos.harness.bench.decode import bench_engine_b1, bench_paged_vs_contiguous
 from kvchaos.harness.bench.overhead import bench_harness_overhead
+from kvchaos.harness.bench.prefix import bench_revive_scale
 from kvchaos.harness.bench.timing import perf
 
 
@@ -194,6 +197,29 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             "<=",
             "ratio",
             higher_is_better=False,
+        )
+
+        revive = bench_revive_scale(p["scale_repeats"])
+        m["prefix_revive_1m_vs_1k"] = _metric(
+            "revive cached free block, 1M vs 1k pool",
+            "ns/op",
+            revive["pool_1000000"],
+            revive["pool_1000"],
+            "1k-block pool",
+            10,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+            note="PrefixBlockPool.touch from the middle of the free queue",
+        )
+        m["nanovllm_revive_1m_vs_1k"] = _metric(
+            "nano-vllm deque.remove revive, 1M vs 1k",
+            "ns/op",
+            revive["deque_1000000"],
+            revive["deque_1000"],
+            "1k-block deque",
+            higher_is_better=False,
+            note="free_block_ids.remove of a block in the middle, as nano-vllm's cache hit",
         )
 
         build = bench_build(1_000_000, p["build_repeats"])
