@@ -51,10 +51,14 @@ def _subjects(results: dict, v: RunView) -> list[tuple[str, str | None, list[str
     expected = results.get("expectation", {}).get("checkers", [])
     out, explained = [], set()
     planted = [n for n, d in v.armed.items() if d.get("defect")]
+    credits = results.get("credits")  # the verdict's own: which fault explains which finding
     for name in planted:
         if not verify.get(name, {}).get("fired"):
             continue
-        mine = [c for c in fired if c in v.armed[name].get("detectors", []) or c in expected]
+        if credits is None:  # recorded before credits: by the fault's detectors
+            mine = [c for c in fired if c in v.armed[name].get("detectors", []) or c in expected]
+        else:
+            mine = sorted({r["checker"] for r in credits if r["fault"] == name})
         explained.update(mine)
         out.append(
             (
@@ -64,6 +68,10 @@ def _subjects(results: dict, v: RunView) -> list[tuple[str, str | None, list[str
             )
         )
     groups: dict[str | None, list[str]] = {}
+    if credits is not None:  # a checker with a finding no fault explains (or none credited)
+        explained = {r["checker"] for r in credits} - {
+            r["checker"] for r in credits if r["fault"] is None
+        }
     for c in fired:
         if c not in explained:
             owner = next((n for n, d in v.armed.items() if c in d.get("detectors", [])), None)
