@@ -6,11 +6,21 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
+import stat
 import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 try:
     import tomllib
@@ -19,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
+from kvchaos.harness.judge import footprint
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 CHECKERS = (
@@ -33,8 +44,31 @@ CHECKERS = (
 )
 
 
+# A name becomes part of a run folder's name: safe characters, bounded, never a path.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_NAME = 100
+MAX_SEED = 2**63 - 1  # seeds are int64: torch, JSON readers and numpy all take them
+MAX_FILE_BYTES = 1 << 20  # a scenario file is a few hundred bytes; /dev/zero is not one
+
+
 class ScenarioError(KVChaosError, ValueError):
     """A scenario file is missing, unreadable or invalid."""
+
+
+def check_name(name: str) -> str:
+    if len(name) > MAX_NAME or not NAME.fullmatch(name):
+        shown = repr(name) if len(name) <= 40 else f"{name[:40]!r}... ({len(name)} characters)"
+        raise ValueError(
+            f"{shown}: a name is letters, digits, '.', '_' and '-', starting with a letter or "
+            f"digit, at most {MAX_NAME} characters (it names the run folders)"
+        )
+    return name
+
+
+def check_seed(seed: int) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed}: seeds are 0 .. 2**63-1")
+    return seed
 
 
 class _Strict(BaseModel):
@@ -119,6 +153,23 @@ class ScenarioMeta(_Strict):
     tags: list[str] = []
     seeds: list[int] = [0, 1, 2]
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        return check_name(name)
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, seeds: list[int]) -> list[int]:
+        if not seeds:
+            raise ValueError("no seeds: give at least one (e.g. seeds = [0])")
+        for s in seeds:
+            check_seed(s)
+        if len(set(seeds)) != len(seeds):
+            twice = next(s for s in seeds if seeds.count(s) > 1)
+            raise ValueError(f"seed {twice} is listed twice")
+        return seeds
+
 
 class Scenario(_Strict):
     scenario: ScenarioMeta
@@ -149,7 +200,7 @@ class Scenario(_Strict):
         return EngineConfig(model=model, cache=cache, seed=seed, **e)
 
     @model_validator(mode="after")
-    def _check_engine(self):
+    def _check_engine(self, info: ValidationInfo):
         _check_engine_section(self.engine)
         planted = any(f.defect for f in self.faults)
         if self.expect.outcome == "detect" and not planted:
@@ -165,6 +216,9 @@ class Scenario(_Strict):
         except ConfigError as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith("engine.") else f"engine.{msg}") from None
+        # sizes no memory here can hold: refused now, not by a MemoryError an hour in
+        device = (info.context or {}).get("device") or self.engine.get("device") or "cpu"
+        footprint.check(self, "cpu" if device == "auto" else device)
         return self
 
 
@@ -219,9 +273,10 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return sorted(k for k, f in model.model_fields.items() if not f.exclude)
 
 
-def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
+def parse_scenario(data: dict, source: str = "<scenario>", device: str | None = None) -> Scenario:
+    """device: where it will run (memory is judged there); default its engine.device, else cpu."""
     try:
-        sc = Scenario.model_validate(data)
+        sc = Scenario.model_validate(data, context={"device": device})
     except ValidationError as e:
         err = e.errors()[0]
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
@@ -255,7 +310,7 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
     return sc
 
 
-def load_scenario(path: str | Path) -> Scenario:
+def load_scenario(path: str | Path, device: str | None = None) -> Scenario:
     p = Path(path)
     if not p.exists():
         named = BUILTIN_DIR / f"{path}.toml"
@@ -267,7 +322,7 @@ def load_scenario(path: str | Path) -> Scenario:
                 f"(built-ins: {', '.join(s.name for s in builtin_scenarios())})"
             )
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_text_file(p))
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{p}: not valid TOML: {e}") from None
     lf = (
@@ -279,11 +334,43 @@ def load_scenario(path: str | Path) -> Scenario:
         isinstance(lf, str) and not Path(lf).is_absolute()
     ):  # relative to the scenario file, not the cwd
         data["workload"]["lengths_file"] = str(p.parent / lf)
-    return parse_scenario(data, str(p))
+    return parse_scenario(data, str(p), device)
 
 
-def builtin_scenarios() -> list[Scenario]:
-    return [load_scenario(p) for p in sorted(BUILTIN_DIR.glob("*.toml"))]
+def read_text_file(p: Path, limit: int = MAX_FILE_BYTES) -> str:
+    """A small UTF-8 text file's contents, or one ScenarioError naming it and what it is instead:
+    a folder (a run folder, even), a device, a binary or oversized file."""
+    if p.is_dir():
+        if (p / "history.jsonl").exists() or (p / "results.json").exists():
+            raise ScenarioError(
+                f"{p}: a run folder, not a scenario file (kvchaos replay {p} re-runs it; "
+                f"its scenario is {p / 'scenario.toml'})"
+            )
+        raise ScenarioError(f"{p}: a folder, not a scenario file")
+    try:
+        mode = p.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # a pipe: `run /dev/stdin < x.toml`
+            raise ScenarioError(f"{p}: not a regular file")
+        with open(p, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise ScenarioError(f"{p}: cannot read it: {e.strerror}") from None
+    if len(raw) > limit:
+        raise ScenarioError(f"{p}: over {limit >> 10} KiB: not a scenario file")
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ScenarioError(f"{p}: UTF-16 text: save it as UTF-8")
+    if b"\0" in raw:
+        raise ScenarioError(f"{p}: a binary file, not a TOML scenario")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ScenarioError(
+            f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        ) from None
+
+
+def builtin_scenarios(device: str | None = None) -> list[Scenario]:
+    return [load_scenario(p, device) for p in sorted(BUILTIN_DIR.glob("*.toml"))]
 
 
 def read_lengths(path: str) -> list[tuple[int, int]]:
@@ -291,9 +378,13 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
     ({"prompt_len":, "output_len":})."""
     p = Path(path)
     try:
+        if p.exists() and not p.is_file():  # a folder, or a device such as /dev/zero
+            raise ScenarioError(f"{path}: not a regular file")
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ScenarioError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{path}: not UTF-8 text (at offset {e.start})") from None
     out = []
     if p.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):

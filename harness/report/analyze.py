@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from kvchaos.engine.errors import KVChaosError
-from kvchaos.harness.judge.history import deterministic_digest, read_history
+from kvchaos.harness.judge.history import check_history, deterministic_digest, read_history
 from kvchaos.harness.judge.verdict import EXIT_CODES, current
 from kvchaos.harness.report.index import update_index
 from kvchaos.harness.report.render import write_reports
@@ -34,30 +34,44 @@ def _scenario_of(run_dir: Path, name: str | None):
         raise KVChaosError(f"{run_dir}: no scenario.toml in it, and {e}") from None
 
 
-def analyze(run_dir: Path | str, plots: bool = True) -> dict:
-    """Re-check a stored run and rewrite its results and reports; returns the new results."""
+def read_results(run_dir: Path) -> dict:
+    """A run folder's results.json ({} when missing: analyze rebuilds it); one line if damaged."""
+    path = run_dir / "results.json"
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise KVChaosError(f"{path}: cannot read it: {e.strerror}") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise KVChaosError(f"{path}: not valid JSON ({e}); move it aside to rebuild it") from None
+    if not isinstance(stored, dict):
+        raise KVChaosError(f"{path}: not a JSON object; move it aside to rebuild it")
+    return stored
+
+
+def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict:
+    """Re-check a stored run and rewrite its results and reports; returns the new results.
+    index=False leaves the folder above's index alone (a batch rebuilds it once, at its end)."""
     from kvchaos.harness.judge.runner import _metrics, evaluate, replay_command
 
     run_dir = Path(run_dir)
-    if not (run_dir / "history.jsonl").is_file():
-        why = "no such folder" if not run_dir.exists() else "no history.jsonl in it"
+    if not (run_dir / "history.jsonl").exists():
+        why = "no history.jsonl in it" if run_dir.is_dir() else "not a folder"
         raise KVChaosError(
-            f"{run_dir}: not a run folder ({why}; `kvchaos run` makes them under --report-dir)"
+            f"{run_dir}: not a run folder ({why if run_dir.exists() else 'no such folder'}; "
+            "`kvchaos run` makes them under --report-dir)"
         )
+    check_history(run_dir / "history.jsonl")
+    stored = read_results(run_dir)
     events = read_history(run_dir / "history.jsonl")
     v = RunView(events)
-    try:
-        stored = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        stored = {}
-    except ValueError as e:
-        raise KVChaosError(
-            f"{run_dir}/results.json: not valid JSON ({e}); move it aside to rebuild it"
-        ) from None
     sc = _scenario_of(run_dir, v.start.get("scenario") or stored.get("scenario"))
     errs = v.by.get("error", [])
     error = {k: errs[0].get(k, "") for k in ("error", "message", "traceback")} if errs else None
-    if v.end is None and error is None:
+    # a run whose worker died or hung inside a call into the manager ends there: a finding
+    ended_by_manager = any(e.get("how") for e in v.by.get("sut_error", []))
+    if v.end is None and error is None and not ended_by_manager:
         error = {
             "error": "Truncated",
             "message": "history.jsonl has no run_end event: the run was cut short",
@@ -78,7 +92,7 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
         "config_hash": v.start.get("config_hash", stored.get("config_hash")),
         "device": device,
         "steps": v.last_step,
-        "reason": v.end["reason"] if v.end else "error",
+        "reason": v.end["reason"] if v.end else ("sut_error" if ended_by_manager else "error"),
         "error": stored.get("error") if stored.get("error") and error else error,
         "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": verdict.time_to_detect,
@@ -93,7 +107,8 @@ def analyze(run_dir: Path | str, plots: bool = True) -> dict:
     }
     results.pop("report_error", None)
     write_reports(run_dir, results, events, plots=plots)
-    update_index(run_dir.parent)
+    if index:
+        update_index(run_dir.parent)
     return results
 
 

@@ -58,8 +58,12 @@ def template_env():
 def write_atomic(path: Path, text: str) -> None:
     """Write through a temporary file so a reader (or a crash) never sees half a file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written temporary file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_reports(
@@ -147,5 +151,6 @@ def publish(result, index: bool = True, batch: str | None = None):
             point_latest(run_dir.parent, run_dir.name)
     except Exception as ex:
         result.results["report_error"] = f"{type(ex).__name__}: {ex}"
-        (run_dir / "results.json").write_text(json.dumps(result.results, indent=1, default=str))
+        # atomic: on a full disk the run's own results.json stays whole
+        write_atomic(run_dir / "results.json", json.dumps(result.results, indent=1, default=str))
     return result

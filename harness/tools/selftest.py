@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from kvchaos import __version__
 from kvchaos.engine.errors import KVChaosError
+from kvchaos.harness.judge import inputs
 from kvchaos.harness.judge.verdict import ERROR, FAIL
 from kvchaos.harness.tools.canaries import CANARIES, Canary
 
@@ -219,7 +220,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"only this canary (repeatable): {', '.join(c.name for c in CANARIES)}",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        type=inputs.flag(inputs.device),
+        help="cpu (default), cuda, cuda:N or auto",
+    )
     p.add_argument(
         "--format",
         choices=("text", "json"),

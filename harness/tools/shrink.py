@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from kvchaos.harness.judge.verdict import MISSED, PASS
+from kvchaos.harness.judge import inputs
+from kvchaos.harness.judge.scenario import MAX_NAME
+from kvchaos.harness.judge.verdict import EXIT_CODES, MISSED, PASS, current
 
 EXIT_NOT_REPRODUCED = 1
 MAX_ARRIVAL_RATE = 64.0
@@ -356,7 +358,7 @@ def write_outputs(
 
     out_dir = run_dir / "minimal"
     out_dir.mkdir(exist_ok=True)
-    name = re.sub(r"(-min)?$", "-min", data["scenario"]["name"], count=1)
+    name = data["scenario"]["name"].removesuffix("-min")[: MAX_NAME - 4] + "-min"  # a valid name
     primary = " / ".join(target["fps"][0]) if target["fps"] else target["verdict"]
     data = copy.deepcopy(data)
     meta = data["scenario"]
@@ -431,11 +433,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default=None,
+        type=inputs.flag(inputs.device),
         help="run the candidates on this device instead of the recorded one",
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=inputs.flag(inputs.seconds),
         default=None,
         metavar="S",
         help="per-candidate time limit (default: 10x the first re-run, at least 30 s)",
@@ -443,6 +446,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    from kvchaos.harness.judge.user_code import validate_manager
     from kvchaos.harness.tools.fingerprint import fingerprints
     from kvchaos.harness.tools.replay import load_run, recorded_setup
 
@@ -452,8 +456,15 @@ def main(args) -> int:
     sc, data, results = load_run(run_dir)
     if "verdict" not in results:
         raise ValueError(f"{run_dir / 'results.json'}: no verdict: not a finished kvchaos run")
+    if not isinstance(results["verdict"], str) or current(results["verdict"]) not in EXIT_CODES:
+        raise ValueError(
+            f"{run_dir / 'results.json'}: verdict {str(results['verdict'])[:40]!r}: expected one "
+            f"of {', '.join(EXIT_CODES)}"
+        )
     seed, device = results["seed"], args.device or results["device"]
     setup = recorded_setup(run_dir, results)
+    if setup["block_manager_spec"]:  # bad input (exit 2) before anything runs
+        validate_manager(setup["block_manager_spec"])
     target = {
         "verdict": results["verdict"],
         "fps": [tuple(x["fp"]) for x in fingerprints(results, data.get("faults", []))],

@@ -37,7 +37,9 @@ from array import array
 from collections import Counter
 from pathlib import Path
 
+from kvchaos.harness.judge import inputs
 from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
+from kvchaos.harness.report.paths import report_dir_problem
 from kvchaos.harness.tools.ledger import (
     Keeper,
     Ledger,
@@ -101,8 +103,6 @@ class Soak:
         self.budget = parse_budget(args.budget)
         self.shard = parse_shard(args.shard)
         self.keep, self.cap = parse_keep(args.keep), parse_size(args.max_disk)
-        if args.per_run_timeout <= 0:
-            raise ValueError(f"--per-run-timeout {args.per_run_timeout}: must be > 0")
         if args.inject_hang_every is not None and args.inject_hang_every < 1:
             raise ValueError(f"--inject-hang-every {args.inject_hang_every}: must be >= 1")
         self.args = args
@@ -111,6 +111,8 @@ class Soak:
         self.device = resolve_device(args.device)
         self.commit = git_commit()
         report_dir = Path(args.report_dir)
+        if problem := report_dir_problem(report_dir):
+            raise ValueError(f"--report-dir {report_dir}: {problem}")
         self.ledger_file = Path(args.ledger) if args.ledger else report_dir / "ledger.sqlite"
         ledger_base = ledger_bytes(self.ledger_file)  # only its growth counts against the cap
         self.ledger = Ledger(self.ledger_file)
@@ -441,7 +443,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--budget", required=True, help="how long to soak: 90s, 5m, 1h30m")
     p.add_argument(
-        "--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N"
+        "--device",
+        default="auto",
+        type=inputs.flag(inputs.device),
+        help="auto (cuda when present, else cpu), cpu, cuda, cuda:N",
     )
     p.add_argument(
         "--shard",
@@ -451,7 +456,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--per-run-timeout",
-        type=float,
+        type=inputs.flag(inputs.seconds),
         default=120.0,
         metavar="S",
         help=f"a run still going after S s is stopped, and killed {KILL_GRACE_S:g} s later "
@@ -462,7 +467,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed-start",
-        type=int,
+        type=inputs.flag(inputs.seed),
         default=None,
         metavar="N",
         help="first seed (default: after the highest seed in the ledger)",

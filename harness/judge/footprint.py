@@ -1,0 +1,138 @@
+"""How much memory a scenario's run needs, estimated from its sizes before anything is built, so
+that sizes no machine here can hold are refused at load with both numbers, instead of a run that
+grinds and dies with MemoryError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+# Python-side costs, measured on the reference workload and rounded up: a request's plan,
+# sequence and history events; each token it holds (prompt list, output, step events); each
+# entry of a snapshot kept in the history (free list, ref counts, table).
+REQUEST_BYTES = 4096
+TOKEN_BYTES = 128
+SNAPSHOT_ENTRY_BYTES = 16
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class Part:
+    what: str  # in words, for the message
+    keys: str  # the scenario keys that size it
+    bytes: int
+    on_device: bool  # on the run's device (the KV pool, weights); else always in host memory
+
+
+def _longest(d) -> int:
+    """The longest length a LengthDist can draw (a fixed length is not clipped)."""
+    return d.value if d.dist == "fixed" else d.max
+
+
+def estimate(sc) -> list[Part]:
+    """The big allocations of one run of Scenario sc, largest first."""
+    cfg = sc.engine_config()
+    m, c, w = cfg.model, cfg.cache, sc.workload
+    hid, inter, hd = m.hidden_size, m.intermediate_size, m.head_dim
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * hd
+    per_layer = qkv * hid + hid * m.num_heads * hd + 3 * hid * inter + 2 * hid
+    weights = (2 * m.vocab_size * hid + m.num_layers * per_layer + hid) * m.dtype_bytes
+    # the longest context a request can reach, in whole blocks (decode gathers whole blocks)
+    ctx = _longest(w.prompt_len) + _longest(w.output_len) + w.fork_extra_tokens
+    ctx_blocks = min(c.max_blocks_per_seq, -(-ctx // c.block_size))
+    per_token_layer = m.kv_bytes_per_token() // m.num_layers
+    decode = c.max_num_seqs * ctx_blocks * c.block_size * per_token_layer
+    prefill = cfg.max_prefill_tokens * (4 * hid + qkv + 2 * inter + m.vocab_size) * FLOAT32
+    oracle = c.max_num_seqs * min(ctx, c.max_tokens_per_seq) * m.kv_bytes_per_token()
+    table = c.max_num_seqs * c.max_blocks_per_seq
+    # max_steps is a cap, not a plan: a run stops when its requests are done (or starve)
+    requests = w.num_requests + w.fork_groups
+    steps = min(
+        sc.run.max_steps,
+        int(w.num_requests / w.arrival_rate) + requests * ctx + sc.run.liveness_bound_steps,
+    )
+    snapshots = (steps // sc.run.snapshot_every + 2) * (2 * c.num_blocks + table)
+    parts = [
+        Part(
+            "the KV pool",
+            "engine.cache.num_blocks x block_size, engine.model",
+            m.kv_bytes_per_token() * c.block_size * c.num_blocks,
+            True,
+        ),
+        Part(
+            "the model weights",
+            "engine.model.hidden_size, vocab_size, intermediate_size, num_layers",
+            weights,
+            True,
+        ),
+        Part(
+            "activations",
+            "engine.model.hidden_size, vocab_size, engine.max_prefill_tokens, block_size",
+            max(prefill, decode) + oracle,
+            True,
+        ),
+        Part(
+            "the rotary tables",
+            "engine.model.max_position",
+            m.max_position * hd * 2 * 8,  # angles in float64, then cos and sin
+            True,
+        ),
+        Part(
+            "the block table",
+            "engine.cache.max_num_seqs x max_blocks_per_seq",
+            table * 4 * 3 * cfg.tp_size,  # host table, staging copy, device copy, per rank
+            False,
+        ),
+        Part(
+            "the requests",
+            "workload.num_requests, prompt_len, output_len",
+            requests * (REQUEST_BYTES + ctx * TOKEN_BYTES),
+            False,
+        ),
+        Part(
+            "the snapshots kept in the history",
+            "engine.cache.num_blocks, max_blocks_per_seq, run.max_steps / snapshot_every",
+            snapshots * SNAPSHOT_ENTRY_BYTES,
+            False,
+        ),
+    ]
+    return sorted(parts, key=lambda p: -p.bytes)
+
+
+def available(device: str) -> tuple[int | None, str]:
+    """(bytes free, where) for a run on device: host RAM for the CPU; for CUDA the device's free
+    memory when CUDA is already up in this process (asking would start it: a forked worker could
+    then not use it), else None (unknown: only the host part is judged)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return None, device
+        index = int(device.partition(":")[2] or torch.cuda.current_device())
+        return torch.cuda.mem_get_info(index)[0], f"free on {device}"
+    import psutil
+
+    return psutil.virtual_memory().available, "available host RAM"
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:,.1f} GiB"
+
+
+def check(sc, device: str = "cpu") -> None:
+    """Raise ValueError naming the largest part when sc's run cannot fit in device's memory (the
+    device parts) or in host RAM (the host parts; all of them on the CPU)."""
+    parts = estimate(sc)
+    on_cpu = not device.startswith("cuda")
+    groups = [([p for p in parts if on_cpu or not p.on_device], "cpu")]
+    if not on_cpu:
+        groups.append(([p for p in parts if p.on_device], device))
+    for group, where in groups:
+        need = sum(p.bytes for p in group)
+        have, what = available(where)
+        if have is not None and need > have:
+            top = group[0]
+            raise ValueError(
+                f"memory: this run needs about {_gib(need)} ({top.what}: {_gib(top.bytes)}, "
+                f"sized by {top.keys}); {_gib(have)} {what}"
+            )
