@@ -41,6 +41,11 @@ class Link(VirtualRank):
     def content(self) -> torch.Tensor:
         return self.table if self.last is None else self.last
 
+    def start(self, shape: torch.Size) -> None:
+        # the other rank computes with the initial table too, should its first update be late
+        super().start(shape)
+        self.apply(0, self.table)
+
     def apply(self, version: int, table: torch.Tensor) -> None:
         same = self.last is not None and torch.equal(self.last, table)
         if not same:
@@ -78,15 +83,21 @@ class DistEngine(Engine):
         if self.wire is None:
             self.wire = self.cluster.begin_run(self.config)
         w = self.wire
-        g0 = w.t["gather"]
+        t = w.t
+        g0, w0 = t["gather"], t["bcast"] + t["table"] + t["ack"]
         try:
             out = super().step()
         except BaseException as e:
             if not w.busy:  # failed before the step's broadcast: the ranks are still in step
                 raise
             self._fail(e)
+        # the host side's waits on the other ranks are theirs, not this rank's host work
+        st = out.stats
+        st.wait_s = t["bcast"] + t["table"] + t["ack"] - w0
+        st.host_s -= st.wait_s
+        st.prep_s -= st.wait_s
         # the rest of the step's time: the model, the logits
-        w.t["compute"] += out.stats.latency_s - out.stats.host_s - (w.t["gather"] - g0)
+        t["compute"] += st.latency_s - st.host_s - st.wait_s - (t["gather"] - g0)
         return out
 
     def _fail(self, e: BaseException):
@@ -138,7 +149,11 @@ class DistEngine(Engine):
             )
         if len(links) > 1:
             self._crcs = crcs
-        return b.tokens, b.positions, self.shard.resolve(b)
+        metas = self.shard.resolve(b)
+        if self.record_writes:  # another rank writes through the table sent it (its crc says so)
+            slots = [self.shard.slots(b, r.content()) for r in links[1:]]
+            self._record_writes(decode, prefill, [metas[0], *slots])
+        return b.tokens, b.positions, metas
 
     def _attend(self, nd: int, metas):
         return self.shard.attend(self.wire, self._batch, metas)

@@ -30,6 +30,11 @@ class VirtualRank:
         """The table this rank computes with."""
         return self.table
 
+    def start(self, shape: torch.Size) -> None:
+        """Version 0, the initial table, every entry unused: what a rank whose very first update
+        is late computes with (not an empty tensor)."""
+        self.table = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+
     def crc(self) -> int:
         return zlib.crc32(self.table.cpu().numpy().tobytes())
 
@@ -41,9 +46,7 @@ class RankGroup:
     def publish(self, staged: torch.Tensor, version: int, step: int, delay_of) -> None:
         for r in self.ranks:
             if r.version == 0 and r.table.shape != staged.shape:
-                # version 0 is the initial table, every entry unused: what a rank whose very first
-                # update is late computes with (not an empty tensor)
-                r.table = torch.full(staged.shape, -1, dtype=torch.int32, device=r.device)
+                r.start(staged.shape)
             d = delay_of(r.index, step)
             if d <= 0 and not r.inbox:
                 r.apply(version, staged)

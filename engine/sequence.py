@@ -49,7 +49,9 @@ class Sequence:
 class StepStats:
     step: int
     latency_s: float
-    host_s: float  # scheduling, block bookkeeping, table upload, metadata: everything but the model
+    # scheduling, block bookkeeping, table upload, metadata: everything but the model, this rank's
+    # own work (waits on other ranks are wait_s)
+    host_s: float
     cpu_s: float  # CPU time of the engine's thread in the step (immune to other processes' load)
     free_blocks: int
     num_running: int
@@ -66,6 +68,8 @@ class StepStats:
         0.0  # the part of host_s that builds the model's inputs (tokens, positions, slots,
     )
     # tables); host_s - prep_s is the bookkeeping: scheduling, blocks, table upload
+    upload_s: float = 0.0  # the part of host_s that uploads the table: staging, every rank's copy
+    wait_s: float = 0.0  # waits on other real ranks before the model runs (broadcast, tables, ack)
 
 
 @dataclass

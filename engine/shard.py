@@ -88,26 +88,35 @@ class Shard:
             )
         return versions, crcs
 
+    def slots(self, b: Batch, flat: torch.Tensor) -> torch.Tensor:
+        """Where the step's K/V go through the flat table `flat`: each token's entry (its row's
+        entry 0 + position // block size, read on past the table's end as the last entry) and its
+        offset in that block."""
+        bs, p = self.bs, b.positions
+        nd = len(b.bases)
+        ent = [torch.tensor(b.bases, device=self.device) + p[:nd] // bs] if nd else []
+        off = nd
+        for base, _, n in b.prefill:
+            ent.append(base + p[off : off + n] // bs)
+            off += n
+        ent = torch.cat(ent).clamp_(max=flat.numel() - 1)
+        return flat[ent].long() * bs + p % bs
+
     def resolve(self, b: Batch):
         """Slot mapping and attention tables through this rank's own table. Flat addressing: an
         overlong row reads on into the next one, as a kernel would (as Engine._build_batch)."""
         flat, bs, dev = self.table.table, self.bs, self.device
         last = flat.numel() - 1
-        slots, dec, chunks = [], None, []
+        dec, chunks = None, []
         nd = len(b.bases)
         if nd:
             nblk = -(-b.max_len // bs)
             base = torch.tensor(b.bases, device=dev)
-            p = b.positions[:nd]
-            idx, ent = (
-                (base[:, None] + torch.arange(nblk, device=dev)[None, :]).view(-1),
-                base + p // bs,
-            )
+            idx = (base[:, None] + torch.arange(nblk, device=dev)[None, :]).view(-1)
             if max(b.bases) + nblk - 1 > last:
-                idx, ent = idx.clamp(max=last), ent.clamp(max=last)
+                idx = idx.clamp(max=last)
             tables = flat.index_select(0, idx).view(nd, nblk)
-            slots.append(flat.index_select(0, ent).long() * bs + p % bs)
-            lens = (p + 1).to(torch.int32)
+            lens = (b.positions[:nd] + 1).to(torch.int32)
             plan = (
                 plan_decode(tables, lens, bs, b.max_len, b.min_len)
                 if self.decode_attention is paged_decode_torch
@@ -118,11 +127,9 @@ class Shard:
         for base, start, n in b.prefill:
             nblk = -(-(start + n) // bs)
             trow = flat[(base + torch.arange(nblk, device=dev)).clamp_(max=last)]
-            p = b.positions[off : off + n]
-            slots.append(trow[p // bs].long() * bs + p % bs)
             chunks.append((off, n, start, trow))
             off += n
-        return torch.cat(slots) if len(slots) > 1 else slots[0], dec, chunks
+        return self.slots(b, flat), dec, chunks
 
     def attend(self, wire: Wire, b: Batch, meta):
         slots, dec, chunks = meta

@@ -18,7 +18,7 @@ from kvchaos.engine.distributed import DistEngine
 from kvchaos.engine.follower import TEST_FAULT_ENV
 from kvchaos.engine.shard import StaleTable
 from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
+from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario, parse_scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -49,7 +49,11 @@ def _comparable(results: dict) -> dict:
     } | {"tokens": results["metrics"]["tokens"]}
 
 
-@pytest.mark.parametrize("name", ["ordering-race-detect", "ordering-race-clean"])
+# every built-in scenario with more than one rank (scripts/tp-parity.py runs them on 50 seeds)
+MULTI_RANK = [sc.name for sc in builtin_scenarios() if sc.engine_config().tp_size > 1]
+
+
+@pytest.mark.parametrize("name", MULTI_RANK)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_same_verdict_and_evidence_as_the_simulation(cluster, name, seed):
     sc = load_scenario(name)
@@ -61,6 +65,19 @@ def test_same_verdict_and_evidence_as_the_simulation(cluster, name, seed):
         assert real.results["fault_verify"]["ordering_race"]["stale_reads_served"] > 0
         cross = next(c for c in real.results["checkers"] if c["checker"] == "cross_rank")
         assert cross["findings"] and all(f["evidence"]["ranks"] == [1] for f in cross["findings"])
+
+
+@pytest.mark.parametrize("seed", [6, 13])
+def test_a_rank_whose_first_update_is_late_computes_on_the_initial_table(cluster, seed):
+    """Seeds 6 and 13 lag rank 1's very first table update: it computes on version 0, the table
+    with every entry unused (as in the simulation), not on no table at all (an IndexError there)."""
+    sc = load_scenario("ordering-race-detect")
+    real = run_scenario(sc, seed, report_dir=None, tp_mode="distributed", cluster=cluster)
+    sim = run_scenario(sc, seed, report_dir=None)
+    assert real.verdict == "PASS", real.summary
+    assert _comparable(real.results) == _comparable(sim.results)
+    first = next(e for e in real.events if e["e"] == "step" and e["rank_crcs"])
+    assert first["stale_ranks"] == [1]  # the lag this test is about: the first upload
 
 
 def _drive(engine, sync: bool) -> list:
@@ -114,6 +131,28 @@ def test_tokens_and_logits_bit_identical_to_the_simulation(cluster, sync):
         True,
         True,
     ]  # both ranks really computed their heads
+
+
+def test_the_host_side_is_rank_0s_own_work_the_waits_on_other_ranks_apart(cluster):
+    """A follower shares the CPU: when it answers late, that is wait_s, not rank 0's host work
+    (which the latency checker judges); the table upload is a part of the host side."""
+    cfg = EngineConfig(tp_size=2, seed=1)
+    runs = {}
+    for name, eng in (("sim", Engine(cfg)), ("real", DistEngine(cfg, cluster=cluster))):
+        for i in range(3):
+            eng.add_request(f"r{i}", [5 + i] * 6, 8)
+        stats = []
+        while eng.has_unfinished():
+            stats.append(eng.step().stats)
+        eng.close()
+        runs[name] = [s for s in stats if s.decode_tokens + s.prefill_tokens]
+    for s in runs["real"]:
+        assert s.wait_s > 0 and 0 < s.upload_s < s.host_s
+        assert s.host_s + s.wait_s <= s.latency_s
+    waited = sum(s.wait_s for s in runs["real"])
+    r0 = eng.rank_timers[0]  # the run's collectives, the end-of-run broadcast included
+    assert waited <= r0["bcast"] + r0["table"] + r0["ack"]
+    assert all(s.wait_s == 0 and 0 < s.upload_s < s.host_s for s in runs["sim"])
 
 
 def test_a_rank_on_a_stale_table_version_refuses_the_step(cluster, monkeypatch):
@@ -221,3 +260,24 @@ def test_nccl_ranks_beyond_the_gpus_are_refused_before_any_process_starts(monkey
     ):
         cluster._start(2, torch.device("cuda", 0))
     assert not cluster.procs
+
+
+def test_a_distributed_run_replays_identically_on_real_ranks(tmp_path):
+    """The tp mode and world size travel with the run: replay starts real ranks again."""
+    import json
+
+    from kvchaos.harness.tools.replay import replay
+
+    r = run_scenario(
+        load_scenario("ordering-race-detect"),
+        1,
+        "cpu",
+        tmp_path,
+        tp_mode="distributed",
+        world_size=2,
+    )
+    res = json.loads((r.run_dir / "results.json").read_text())
+    assert (res["tp_mode"], res["world_size"], res["verdict"]) == ("distributed", 2, "PASS")
+    out = replay(r.run_dir)
+    assert out["identical"], out["first_difference"]
+    assert (out["tp_mode"], out["world_size"]) == ("distributed", 2)  # on real ranks again

@@ -5,11 +5,11 @@ A checker that raises gives valid=None (unknown), never a pass."""
 
 from __future__ import annotations
 
-import statistics
 import traceback
 from typing import Callable
 
 from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.judge.latency import check_latency
 from kvchaos.harness.judge.manager_checks import check_admission, check_manager_calls
 
 
@@ -306,86 +306,6 @@ def _foreign_writes(events: list[dict]) -> list[Finding]:
         )
         for e in _of(events, "foreign_write")
     ]
-
-
-def _rolling_min(xs: list[float], w: int) -> list[float]:
-    return [min(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
-
-
-def check_latency(
-    events: list[dict],
-    slo_ratio: float = 2.0,
-    window: int = 8,
-    baseline_steps: int = 12,
-    sustain: int = 4,
-    floor_s: float = 5e-4,
-    signal: str = "host_s",
-) -> CheckResult:
-    """Per-step latency vs the run's own early baseline (median of the first decode-only steps);
-    a finding when even the fastest of the last `window` steps stays above slo_ratio x baseline (and
-    above it by floor_s) for `sustain` steps. A neighbour on a shared machine only ever adds time,
-    in bursts that can slow most of a window (a rolling median fires on those); a real regression
-    slows every step, so the window's floor rises with it. signal is the
-    step field judged: host_s (the default: the step's host side, i.e. scheduling, bookkeeping and
-    the table upload, which does not grow with the batch's compute), latency_s (the whole step,
-    wall clock) or cpu_s (the engine thread's CPU time)."""
-    steps = [
-        e
-        for e in _of(events, "step")
-        if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
-    ]
-    if len(steps) < baseline_steps + sustain:
-        return CheckResult("latency", None, [], None, len(steps))  # too short to judge a trend
-    lat = [e[signal] for e in steps]
-    base = statistics.median(lat[:baseline_steps])
-    low = _rolling_min(lat, window)
-    limit = max(base * slo_ratio, base + floor_s)
-    run = 0
-    for i in range(baseline_steps, len(steps)):
-        run = run + 1 if low[i] > limit else 0
-        if run >= sustain:
-            start = i - sustain + 1
-            # where the climb began: the first step after the baseline above the midpoint
-            climb = next(
-                (
-                    steps[j]["step"]
-                    for j in range(baseline_steps, i + 1)
-                    if lat[j] > (base + limit) / 2
-                ),
-                steps[start]["step"],
-            )
-            plateau = statistics.median(lat[i:])
-            roll = statistics.median(lat[max(0, i - window + 1) : i + 1])
-            return _result(
-                "latency",
-                [
-                    Finding(
-                        "latency",
-                        steps[i]["step"],
-                        f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to "
-                        f"{low[i] * 1e3:.2f} ms even in the "
-                        f"fastest of the last {window} steps (x{low[i] / base:.1f}), plateau "
-                        f"{plateau * 1e3:.2f} ms, sustained from step {steps[start]['step']}",
-                        {
-                            "signal": signal,
-                            "baseline_ms": base * 1e3,
-                            "rolling_min_ms": low[i] * 1e3,
-                            "rolling_median_ms": roll * 1e3,
-                            "plateau_ms": plateau * 1e3,
-                            "ratio": low[i] / base,
-                            "climb_started_step": climb,
-                            "slo_ratio": slo_ratio,
-                            "window": [
-                                steps[j]["step"] for j in range(max(0, i - window + 1), i + 1)
-                            ],
-                        },
-                        None,
-                        "latency_climb",
-                    )
-                ],
-                len(steps),
-            )
-    return CheckResult("latency", True, [], None, len(steps))
 
 
 def check_cross_rank(events: list[dict]) -> CheckResult:

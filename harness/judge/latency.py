@@ -1,0 +1,105 @@
+"""The latency checker: a host-side stall (the staging stall's failure mode) seen in the per-step
+timings the engine records, judged so that a shared, noisy CPU neither hides it nor fakes it."""
+
+from __future__ import annotations
+
+import statistics
+
+from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
+
+
+def _rolling_min(xs: list[float], w: int) -> list[float]:
+    return [min(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
+
+
+def _quiet(xs: list[float]) -> float:
+    """The lower quartile: what a step costs when nothing else wants the CPU."""
+    return statistics.quantiles(xs, n=4)[0] if len(xs) > 1 else xs[0]
+
+
+def check_latency(
+    events: list[dict],
+    slo_ratio: float = 2.0,
+    window: int = 8,
+    baseline_steps: int = 12,
+    sustain: int = 4,
+    floor_s: float = 5e-4,
+    signal: str = "host_s",
+) -> CheckResult:
+    """Per-step latency of the decode-only steps vs the run's own early baseline: a finding when
+    even the fastest of the last `window` steps stays above slo_ratio x baseline (and above it by
+    floor_s) for `sustain` steps.
+
+    Built for a shared, noisy CPU. A neighbour only ever adds time to a step (the engine waits for
+    a core), to some steps and not others; a regression adds time to every step. So both ends are
+    read from the quiet steps: the baseline is the lower quartile of the first `baseline_steps`
+    (their median rises when most of them were disturbed, and a real stall then hides under the
+    limit), the level now the floor of the window (a burst slows most of a window, not all of it).
+    signal is the step field judged: host_s (the default: this rank's own host work, i.e.
+    scheduling, bookkeeping, the table upload and metadata, which does not grow with the batch's
+    compute; the waits on other real ranks, processes that share the CPU, are wait_s and not
+    judged), latency_s (the whole step, wall clock) or cpu_s (the engine thread's CPU time)."""
+    steps = [
+        e
+        for e in _of(events, "step")
+        if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
+    ]
+    if len(steps) < baseline_steps + sustain:
+        return CheckResult("latency", None, [], None, len(steps))  # too short to judge a trend
+    lat = [e[signal] for e in steps]
+    base = _quiet(lat[:baseline_steps])
+    low = _rolling_min(lat, window)
+    limit = max(base * slo_ratio, base + floor_s)
+    run = 0
+    for i in range(baseline_steps, len(steps)):
+        run = run + 1 if low[i] > limit else 0
+        if run >= sustain:
+            found = _climb(
+                steps, signal, i, (base, limit, slo_ratio), (window, sustain, baseline_steps)
+            )
+            return _result("latency", [found], len(steps))
+    return CheckResult("latency", True, [], None, len(steps))
+
+
+def _climb(steps: list[dict], signal: str, i: int, limits: tuple, spans: tuple) -> Finding:
+    """The finding at steps[i], with what was measured: the window, its floor and median, the
+    plateau, and the table upload's part (what the staging path took of the host side)."""
+    (base, limit, slo_ratio), (window, sustain, baseline_steps) = limits, spans
+    lat = [e[signal] for e in steps]
+    span = range(max(0, i - window + 1), i + 1)
+    low, start = min(lat[j] for j in span), i - sustain + 1
+    # where the climb began: the first step after the baseline above the midpoint
+    climb = next(
+        (steps[j]["step"] for j in range(baseline_steps, i + 1) if lat[j] > (base + limit) / 2),
+        steps[start]["step"],
+    )
+    plateau = statistics.median(lat[i:])
+    ev = {
+        "signal": signal,
+        "baseline_ms": base * 1e3,
+        "limit_ms": limit * 1e3,
+        "rolling_min_ms": low * 1e3,
+        "rolling_median_ms": statistics.median(lat[j] for j in span) * 1e3,
+        "plateau_ms": plateau * 1e3,
+        "ratio": low / base,
+        "climb_started_step": climb,
+        "slo_ratio": slo_ratio,
+        "window": [steps[j]["step"] for j in span],
+    }
+    where = ""
+    upload = [e.get("upload_s") for e in steps]
+    if signal == "host_s" and None not in upload:
+        ev["upload_baseline_ms"] = _quiet(upload[:baseline_steps]) * 1e3
+        ev["upload_min_ms"] = min(upload[j] for j in span) * 1e3
+        where = f"; its table upload {ev['upload_baseline_ms']:.2f} -> {ev['upload_min_ms']:.2f} ms"
+    return Finding(
+        "latency",
+        steps[i]["step"],
+        f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to {low * 1e3:.2f} ms "
+        f"even in the fastest of the last {window} steps (x{low / base:.1f}, limit "
+        f"{limit * 1e3:.2f} ms), plateau {plateau * 1e3:.2f} ms, sustained from step "
+        f"{steps[start]['step']}{where}",
+        ev,
+        None,
+        "latency_climb",
+    )
