@@ -65,6 +65,11 @@ def describe(call: str, args: tuple) -> str:
 class Boundary:
     """Wraps a block manager: same attributes, every protocol call recorded and guarded."""
 
+    # Told (call, args) before each call into the manager and None after it returns: an isolated
+    # worker (kvchaos.harness.tools.isolate) sets it, so that its parent can name a call that hung
+    # or ended the process. None (the default) costs one attribute read per call.
+    watch = None
+
     def __init__(self, manager) -> None:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
@@ -82,18 +87,18 @@ class Boundary:
             calls[name] += 1
             if kw:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
-            object.__setattr__(self, "in_progress", (name, args))
+            self._enter((name, args))
             try:
                 before = self._before_growth() if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
             except OutOfBlocks as refusal:
-                object.__setattr__(self, "in_progress", None)
                 if grows:  # a refusal must change nothing
                     refusal.changed = self._changed_by_refusal(before)
                 raise
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # sys.exit() in the manager: its bug too
                 raise ManagerError(name, args, e) from e
-            object.__setattr__(self, "in_progress", None)
+            finally:
+                self._enter(None)
             return out
 
         call.__name__ = name
@@ -117,14 +122,20 @@ class Boundary:
             return f"free blocks {free} -> {after}" if after != free else None
         return state_change(snap, self.manager.snapshot())
 
+    def _enter(self, call: tuple | None) -> None:
+        """Record the call in progress ((name, args), or None once it returned or raised)."""
+        object.__setattr__(self, "in_progress", call)
+        if Boundary.watch is not None:
+            Boundary.watch(call)
+
     def _read(self, name: str):
-        object.__setattr__(self, "in_progress", (name, ()))
+        self._enter((name, ()))
         try:
-            out = getattr(self.manager, name)
-        except Exception as e:
+            return getattr(self.manager, name)
+        except (Exception, SystemExit) as e:
             raise ManagerError(name, (), e) from e
-        object.__setattr__(self, "in_progress", None)
-        return out
+        finally:
+            self._enter(None)
 
     num_blocks = property(lambda self: self._read("num_blocks"))
     num_free_blocks = property(lambda self: self._read("num_free_blocks"))

@@ -264,8 +264,10 @@ class Engine:
                 return StepOutput(stats, {}, {}, [])
             if copies:
                 self._copy_blocks(copies)
+            t_upload = time.perf_counter()
             stale = self._upload_table()
             t_prep = time.perf_counter()
+            self._upload_s = t_prep - t_upload
             tokens, positions, metas = self._build_batch(decode, prefill)
             t_host = time.perf_counter()
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
@@ -319,6 +321,7 @@ class Engine:
             host_s=t_host - t0,
             cpu_s=time.thread_time() - c0,
             prep_s=t_host - t_prep,
+            upload_s=self._upload_s if computed else 0.0,
             free_blocks=self.bm.num_free_blocks,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -445,16 +448,20 @@ class Engine:
             metas.append(
                 (torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks)
             )
-        if self.record_writes:  # the blocks each rank's writes land in, by sequence (the harness's)
-            nb = self.bm.num_blocks
-            ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
-            self.written = {}
-            for rank, meta in enumerate(metas):
-                for seq_id, block in zip(ids, (meta[0] // bs).tolist()):
-                    # an unused entry (-1) lands in the last block
-                    self.written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
+        if self.record_writes:
+            self._record_writes(decode, prefill, [m[0] for m in metas])
         self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
+
+    def _record_writes(self, decode, prefill, slots_by_rank: list[torch.Tensor]) -> None:
+        """The blocks each rank's writes land in, by sequence (the harness's record)."""
+        bs, nb = self.bm.block_size, self.bm.num_blocks
+        ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
+        self.written = {}
+        for rank, slots in enumerate(slots_by_rank):
+            for seq_id, block in zip(ids, (slots // bs).tolist()):
+                # an unused entry (-1) lands in the last block
+                self.written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
 
     def _arange(self, n: int) -> torch.Tensor:
         """torch.arange(n) on the engine's device, cached (a view of a longer one)."""

@@ -6,6 +6,7 @@ line per run and tables at full width, and `--format json` prints one JSON docum
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -15,7 +16,10 @@ from pathlib import Path
 
 from kvchaos import __version__
 from kvchaos.engine.errors import KVChaosError
+from kvchaos.harness.judge import inputs
+from kvchaos.harness.judge.inputs import parse_seeds
 from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
+from kvchaos.harness.tools.isolate import DEFAULT_TIMEOUT_S
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 # Subcommands that live in their own modules; each has add_arguments(parser) and main(args) -> int.
@@ -41,6 +45,10 @@ TOOLS = {
     "gpu-check": (
         "kvchaos.harness.bench.gpu_check",
         "the prepared GPU check: gpu tests, CUDA scenarios, kernel bench, soak",
+    ),
+    "conformance": (
+        "kvchaos.harness.tools.conformance",
+        "test your block manager against the protocol's properties (Hypothesis, shrunk)",
     ),
 }
 
@@ -76,6 +84,10 @@ EXITS = {
         (3, "reference flagged", "the reference manager failed a run (wins over 1)"),
     ],
     "bench": [(0, "measured", "targets are reported, never asserted")],
+    "conformance": [
+        (0, "conforms", "every applicable property passed"),
+        (1, "failed", "a property failed: its shrunk reproducer is printed"),
+    ],
 }
 EXIT_NOTES = {
     "run": "several runs exit with the most serious: " + " > ".join(SEVERITY),
@@ -110,29 +122,11 @@ def main_epilog(commands) -> str:
     return "\n".join(lines)
 
 
-def parse_seeds(seed: int | None, seeds: str | None) -> list[int] | None:
-    """--seed N: that seed; --seeds N: seeds 0..N-1; --seeds 3,7,11: those."""
-    if seed is not None:
-        return [seed]
-    if seeds is None:
-        return None
-    try:
-        if "," in seeds:
-            return [int(s) for s in seeds.split(",") if s.strip()]
-        n = int(seeds)
-    except ValueError:
-        raise KVChaosError(
-            f"--seeds {seeds!r}: expected a count (e.g. 20) or a list (e.g. 0,3,7)"
-        ) from None
-    if n < 1:
-        raise KVChaosError(f"--seeds {seeds}: the count must be >= 1")
-    return list(range(n))
-
-
-def select_scenarios(names: list[str], tags: list[str] | None = None):
+def select_scenarios(names: list[str], tags: list[str] | None = None, device: str | None = None):
+    """device: where they will run (their memory is judged there)."""
     from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
 
-    scs = [load_scenario(n) for n in names] if names else builtin_scenarios()
+    scs = [load_scenario(n, device) for n in names] if names else builtin_scenarios(device)
     if tags:
         scs = [s for s in scs if set(tags) & set(s.markers)]
     return scs
@@ -186,32 +180,45 @@ def _scenario_doc(s) -> dict:
 
 
 def cmd_run(args) -> int:
+    from kvchaos.harness.tools import isolate
+
+    isolated = not args.in_process and "RANK" not in os.environ  # torchrun's ranks: in-process
+    if isolated:
+        isolate.start_server()  # it imports torch while this process does too
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvchaos.engine.cluster import Cluster, external_launch
     from kvchaos.engine.follower import serve
-    from kvchaos.harness.judge.runner import resolve_device, run_scenario
-    from kvchaos.harness.judge.user_code import load_object
-    from kvchaos.harness.report.render import publish
+    from kvchaos.harness.judge.runner import resolve_device
+    from kvchaos.harness.judge.user_code import validate_manager
+    from kvchaos.harness.report.paths import report_dir_problem
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
         return serve()  # under torchrun, ranks > 0 serve rank 0's runs
     as_json = args.format == "json"
     console = _console()
     seeds = parse_seeds(args.seed, args.seeds)
-    scs = select_scenarios(args.scenarios, args.tag)
+    device = resolve_device(args.device)
+    scs = select_scenarios(args.scenarios, args.tag, device)
     if not scs:
         raise KVChaosError("no scenario matches")
-    device = resolve_device(args.device)
+    inputs.check_overrides(scs, device, args.tp_mode, args.world_size)
+    if problem := report_dir_problem(args.report_dir):
+        raise KVChaosError(f"--report-dir {args.report_dir}: {problem}")
     if args.block_manager:  # a bad --block-manager is bad input (exit 2), not an ERROR per run
-        load_object(args.block_manager)
+        if isolated:
+            isolate.validate_isolated(args.block_manager)
+        else:
+            validate_manager(args.block_manager)
     jobs = [(s, seed) for s in scs for seed in (seeds or s.scenario.seeds)]
     report_dir = Path(args.report_dir)
     # a bar on a terminal; in a log, one plain line per run (stderr under --format json)
     live = console.is_terminal and not (as_json or args.quiet)
     log = None if args.quiet else (sys.stderr if as_json else sys.stdout)
-    results, indexed = [], False
+    results, indexed, full = [], False, None
+    if not args.in_process and (why := isolate.in_process_reason()):
+        print(f"kvchaos: runs are not isolated: {why}", file=sys.stderr)
     try:
         with (
             Progress(
@@ -230,20 +237,18 @@ def cmd_run(args) -> int:
             for i, (sc, seed) in enumerate(jobs, 1):
                 progress.update(task, description=escape(f"{sc.name} seed {seed}"))
                 t0 = time.perf_counter()
-                r = publish(
-                    run_scenario(
-                        sc,
-                        seed,
-                        device=device,
-                        report_dir=report_dir,
-                        block_manager_spec=args.block_manager,
-                        timeout_s=args.timeout,
-                        tp_mode=args.tp_mode,
-                        world_size=args.world_size,
-                        cluster=cluster,
-                    ),
-                    index=False,
+                r = isolate.run(
+                    sc,
+                    seed,
+                    isolated=not args.in_process,
+                    cluster=cluster,
                     batch=batch,
+                    device=device,
+                    report_dir=report_dir,
+                    block_manager_spec=args.block_manager,
+                    timeout_s=args.timeout,
+                    tp_mode=args.tp_mode,
+                    world_size=args.world_size,
                 )
                 results.append(r)
                 if live and r.verdict != PASS:
@@ -256,8 +261,12 @@ def cmd_run(args) -> int:
                 if r.results.get("reason") == "interrupted":  # Ctrl-C: its record is on disk
                     break
                 progress.advance(task)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        full = e  # a full disk: the finished runs stand, their summary is printed, then one line
     finally:
-        if results:  # once for the batch, whatever stopped it
+        if results and full is None:  # once for the batch, whatever stopped it
             from kvchaos.harness.report.index import update_index
 
             try:
@@ -269,12 +278,22 @@ def cmd_run(args) -> int:
                     f"{type(e).__name__}: {e}",
                     file=sys.stderr,
                 )
+    if full is not None:
+        full = KVChaosError(
+            f"{report_dir}: {full.strerror} (writing {full.filename or 'a run'}): stopped after "
+            f"{len(results)} of {len(jobs)} runs, each finished one intact; index not updated"
+        )
+        if not results:
+            raise full
     interrupted = results[-1].results.get("reason") == "interrupted"
     code = EXIT_INTERRUPTED if interrupted else EXIT_CODES[worst([r.verdict for r in results])]
+    code = EXIT_USAGE if full else code
     if as_json:
         _print_json(_run_doc(results, report_dir, indexed, code, interrupted))
     else:
         _print_table(console, results)
+    if full:
+        raise full
     if not (as_json and args.quiet):
         print(_where(report_dir, results[-1], indexed), file=sys.stderr if as_json else sys.stdout)
     if interrupted:
@@ -369,7 +388,7 @@ def _subparser(sub, name: str, help_: str, description: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = inputs.OneLineParser(
         prog="kvchaos",
         description="Chaos and fault-injection harness for paged-KV-cache inference engines:\n"
         "provokes block-table overflow, ref-count leaks on cancel, staging-buffer stalls and\n"
@@ -423,13 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="scenario files or built-in names (default: every built-in scenario)",
     )
     g = run.add_mutually_exclusive_group()
-    g.add_argument("--seed", type=int, help="run this one seed")
+    g.add_argument("--seed", type=inputs.flag(inputs.seed), help="run this one seed")
     g.add_argument(
         "--seeds",
         help="a count N (seeds 0..N-1) or a list 0,3,7 (default: each scenario's own seeds)",
     )
     run.add_argument(
-        "--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N"
+        "--device",
+        default="auto",
+        type=inputs.flag(inputs.device),
+        help="auto (cuda when present, else cpu), cpu, cuda, cuda:N",
     )
     run.add_argument(
         "--report-dir", default="reports", help="where run folders go (default: reports)"
@@ -445,7 +467,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--tag", action="append", help="only scenarios with this tag or marker (repeatable)"
     )
     run.add_argument(
-        "--timeout", type=float, default=None, metavar="S", help="per-run time limit in seconds"
+        "--timeout",
+        type=inputs.flag(inputs.seconds),
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"per-run time limit in seconds (default: {DEFAULT_TIMEOUT_S:g}), enforced even "
+        "inside a step: a run still going is stopped; a call into the block manager that did "
+        "not return is a FAIL naming it, a hang elsewhere an ERROR",
+    )
+    run.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run in this process (for a debugger) instead of a fresh worker process per run, "
+        "forked from one that imported torch once; a worker that hangs is killed at --timeout "
+        "(in-process, the limit is checked between steps only), one that dies (os._exit, a "
+        "signal) gets a verdict all the same. Distributed runs launch their ranks in the worker",
     )
     run.add_argument(
         "--tp-mode",
@@ -455,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--world-size",
-        type=int,
+        type=inputs.flag(inputs.world_size),
         metavar="N",
         help="tensor-parallel ranks (overrides engine.tp_size)",
     )
@@ -484,15 +520,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except KVChaosError as e:
-        print(f"kvchaos: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:  # bad flag values that only the command can judge
-        print(f"kvchaos: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except (KVChaosError, ValueError) as e:  # ValueError: flag values only the command can judge
+        message = str(e)
+    except OSError as e:  # a path the command was given or writes to: named, with the reason
+        if e.filename is None:
+            raise
+        message = f"{e.filename}: {e.strerror}"
     except KeyboardInterrupt:
         print("kvchaos: interrupted; what was recorded is on disk", file=sys.stderr)
         return EXIT_INTERRUPTED
+    print(f"kvchaos: error: {' / '.join(message.splitlines())}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ kvchaos_run, called by a hand-written test, writes into that test's tmp_path unl
 --kvchaos-report-dir is given: such tests run on every `pytest`, as unit tests do, and should not
 fill the project's reports/.
 
+Scenario items run each in a fresh worker process (kvchaos.harness.tools.isolate, as `kvchaos
+run` does), stopped at --kvchaos-timeout; a worker that hangs or dies fails its item with a verdict
+and the session goes on (pytest-xdist too). --kvchaos-in-process runs them in the pytest process;
+kvchaos_run always runs in the test's own process (the test may patch what it runs).
+
 pytest loads this plugin in every session of an environment where kvchaos is installed: it
 imports nothing heavy (no torch, no pydantic) until a scenario file is collected or a kvchaos
 option is used."""
@@ -39,6 +44,7 @@ MARKERS = {
     "gpu": "needs a CUDA GPU (skips on the CPU)",
     "distributed": "starts real torch.distributed ranks",
     "smoke": "a quick scenario",
+    "conformance": "a block-manager conformance property (--kvchaos-block-manager)",
 }
 
 
@@ -67,6 +73,21 @@ def pytest_addoption(parser) -> None:
         help="run every scenario under this BlockManager "
         "(kvchaos.engine.protocols.BlockManagerProtocol)",
     )
+    g.addoption(
+        "--kvchaos-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="per-run time limit of scenario items in seconds (default: kvchaos run's), enforced "
+        "even inside a step",
+    )
+    g.addoption(
+        "--kvchaos-in-process",
+        action="store_true",
+        help="run scenario items in the pytest process (for a debugger) instead of a fresh "
+        "worker process per run, which can be killed at the time limit and whose death is a "
+        "verdict, not a lost session",
+    )
 
 
 def pytest_configure(config) -> None:
@@ -74,18 +95,26 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     spec = config.getoption("--kvchaos-block-manager", None)
     if spec:  # a bad spec is one usage error, not an ERROR on every item
-        from kvchaos.harness.judge.user_code import load_object
+        from kvchaos.harness.judge.user_code import validate_manager
+        from kvchaos.harness.tools.isolate import in_process_reason, validate_isolated
 
+        isolated = not config.getoption("--kvchaos-in-process") and in_process_reason() is None
         try:
-            load_object(spec)
+            (validate_isolated if isolated else validate_manager)(spec)
         except ValueError as e:
             raise pytest.UsageError(f"--kvchaos-block-manager: {e}") from None
 
 
 def _batch(config) -> str:
-    """One batch id a session: the report index groups the session's runs by it."""
+    """One batch id a session: the report index groups the session's runs by it (under
+    pytest-xdist, the workers share the session's id)."""
     if not hasattr(config, "_kvchaos_batch"):
-        config._kvchaos_batch = f"pytest-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        xdist = getattr(config, "workerinput", {}).get("testrunuid")
+        config._kvchaos_batch = (
+            f"pytest-{xdist[:12]}"
+            if xdist
+            else f"pytest-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        )
     return config._kvchaos_batch
 
 
@@ -157,6 +186,15 @@ def pytest_collect_file(file_path: Path, parent):
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: they apply to these items too
+def pytest_collection_modifyitems(session, config, items) -> None:
+    spec = config.getoption("--kvchaos-block-manager")
+    if spec:  # the conformance suite for that manager: one item a property
+        from kvchaos.harness.tools.conformance import conformance_items
+
+        items.extend(conformance_items(session, spec))
+
+
 class ScenarioFile(pytest.File):
     def collect(self):
         from kvchaos.harness.cli import parse_seeds
@@ -201,25 +239,28 @@ class ScenarioItem(pytest.Item):
         self.user_properties += [("scenario", scenario.name), ("seed", seed)]
 
     def runtest(self) -> None:
+        from kvchaos.harness.tools import isolate
+
+        cfg = self.config
+        isolated = not cfg.getoption("--kvchaos-in-process")
+        if isolated:
+            isolate.start_server()  # imports in the background: once a session (and xdist worker)
         import torch
 
-        from kvchaos.harness.judge.runner import run_scenario
-        from kvchaos.harness.report.render import publish
-
-        device = self.config.getoption("--kvchaos-device")
+        device = cfg.getoption("--kvchaos-device")
         if self.get_closest_marker("gpu") or device.startswith("cuda"):
             if not torch.cuda.is_available():
                 pytest.skip("needs a CUDA GPU")
-        r = publish(
-            run_scenario(
-                self.scenario,
-                self.seed,
-                device=device,
-                report_dir=_report_dir(self.config),
-                block_manager_spec=self.config.getoption("--kvchaos-block-manager"),
-            ),
-            index=False,
-            batch=_batch(self.config),
+        timeout = cfg.getoption("--kvchaos-timeout")
+        r = isolate.run(
+            self.scenario,
+            self.seed,
+            isolated=isolated,
+            batch=_batch(cfg),
+            device=device,
+            report_dir=_report_dir(cfg),
+            block_manager_spec=cfg.getoption("--kvchaos-block-manager"),
+            timeout_s=isolate.DEFAULT_TIMEOUT_S if timeout is None else timeout,
         )
         if not hasattr(self.config, "_kvchaos_runs"):
             self.config._kvchaos_runs = []

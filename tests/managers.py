@@ -4,9 +4,14 @@ a refusal that leaves a trace). Plugged in by spec, e.g. "managers:Preallocating
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import sys
+import time
 
 from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import OutOfBlocks
 
 HIDDEN = "__reserve__"  # a manager's own holder of preallocated blocks
@@ -215,3 +220,171 @@ class RefusalBumpsRef(Delegate):
             self.inner.pool.incref(held[0])  # one more holder nobody will release
             raise OutOfBlocks(f"{seq_id}: not now")
         return self.inner.append(seq_id, n)
+
+
+# -- managers that hang or end the process (tests/test_isolation.py) --------------------------
+
+
+def _hang() -> None:
+    while True:  # loops forever; sleeps, so a hung run does not take a core from the others
+        time.sleep(0.01)
+
+
+def _hang_deaf() -> None:
+    """A hang the worker's stop signal cannot reach (as one deep in C code): only a kill ends it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    _hang()
+
+
+FATE = {
+    "hang": _hang,
+    "deaf": _hang_deaf,
+    "exit": lambda: os._exit(0),
+    "segfault": lambda: os.kill(os.getpid(), signal.SIGSEGV),
+    "sys.exit": lambda: sys.exit(0),
+    "sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL),  # as the OOM killer does
+}
+
+
+class Fated(LeavesRowsBehind):
+    """Leaves rows behind after free (table_integrity finds it from step 14 of baseline-clean
+    seed 0), then meets its FATE in the first append of several tokens after its 6th free
+    (append('r9', 35) at step 21 there): inside the call, or (OUTSIDE) in the engine's next step."""
+
+    FATE, OUTSIDE = "hang", False
+    frees = 0
+
+    def free(self, seq_id):
+        self.frees += 1
+        return super().free(seq_id)
+
+    def append(self, seq_id, n):
+        if self.frees >= 6 and n > 1:
+            fate = FATE[self.FATE]
+            if not self.OUTSIDE:
+                fate()
+            Engine.step = lambda engine: fate()  # this process only: a fresh worker per run
+        return super().append(seq_id, n)
+
+
+class HangsInAppend(Fated):
+    pass
+
+
+class DeafHangInAppend(Fated):
+    FATE = "deaf"
+
+
+class ExitsInAppend(Fated):
+    FATE = "exit"
+
+
+class SegfaultsInAppend(Fated):
+    FATE = "segfault"
+
+
+class KilledInAppend(Fated):
+    FATE = "sigkill"
+
+
+class SysExitsInAppend(Fated):
+    FATE = "sys.exit"
+
+
+class HangsInTheEngine(Fated):
+    OUTSIDE = True
+
+
+class ExitsInTheEngine(Fated):
+    FATE, OUTSIDE = "exit", True
+
+
+_RUNS_IN_THIS_PROCESS = 0  # module-level state: what a fresh worker per run starts again from
+
+
+class CountsRunsInItsModule(Delegate):
+    """Counts its instances in its module; from the second in one process on, free() keeps the
+    blocks (a leak the run's checkers find, a smoke test of the calls' answers does not)."""
+
+    def __init__(self, *a) -> None:
+        global _RUNS_IN_THIS_PROCESS
+        super().__init__(*a)
+        _RUNS_IN_THIS_PROCESS += 1
+        self.nth = _RUNS_IN_THIS_PROCESS
+
+    def free(self, seq_id):
+        return True if self.nth > 1 else super().free(seq_id)
+
+
+class OrdersItsPoolByHash(Delegate):
+    """Hands out blocks in the order of their names' string hashes: the same in every process
+    only when PYTHONHASHSEED is fixed."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.inner.pool.free.sort(key=lambda b: hash(f"block-{b}"))
+
+
+class ShufflesItsPool(Delegate):
+    """Hands out blocks in a random order of its own, unseeded: nondeterministic."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        random.SystemRandom().shuffle(self.inner.pool.free)
+
+
+class InterruptsTheRunner(Delegate):
+    """Presses Ctrl-C in the process $KVCHAOS_TEST_INTERRUPT_PID names (the runner waiting for
+    this worker) at its sixth append (a smoke test makes three): a user stopping the batch."""
+
+    def append(self, seq_id, n):
+        if self.calls == 5:
+            os.kill(int(os.environ["KVCHAOS_TEST_INTERRUPT_PID"]), signal.SIGINT)
+        return super().append(seq_id, n)
+
+
+class SharesFullBlocksOnly(Delegate):
+    """Prefix-cache style: shares full blocks only and never copies on write, so a fork whose
+    parent's last block is partly filled is refused (the engine runs the child fresh)."""
+
+    def fork(self, parent_id, child_id):
+        if self.inner.num_tokens[parent_id] % self.block_size:
+            raise OutOfBlocks(f"{parent_id}: its last block is partly filled; no copy-on-write")
+        self.inner.fork(parent_id, child_id)
+
+
+class HidesSharing(BlockManager):
+    """Its snapshot lies: every held block has ref count 1, shared or not."""
+
+    def snapshot(self):
+        snap = super().snapshot()
+        snap.ref_counts = [min(r, 1) for r in snap.ref_counts]
+        return snap
+
+
+class NoRollback(Delegate):
+    """append is not atomic: it takes blocks one at a time and, when the pool runs dry, refuses
+    with the blocks it took still attached to the sequence."""
+
+    def append(self, seq_id, n):
+        self.calls += 1
+        inner = self.inner
+        if seq_id in inner.rows and inner.blocks_needed(seq_id, n) > inner.num_free_blocks:
+            blocks, row = inner.blocks[seq_id], inner.rows[seq_id]
+            while inner.num_free_blocks and len(blocks) < inner.table.width:
+                blocks.append(inner.pool.allocate())
+                inner.table.write(row, len(blocks) - 1, blocks[-1])
+            raise OutOfBlocks(f"{seq_id}: the pool ran dry")
+        return inner.append(seq_id, n)
+
+
+class HangsWhenBuilt(BlockManager):
+    """Never returns from its constructor: the check before any run must not hang kvchaos."""
+
+    def __init__(self, *a) -> None:
+        _hang()
+
+
+class ExitsWhenBuilt(BlockManager):
+    def __init__(self, *a) -> None:
+        os._exit(3)

@@ -261,6 +261,8 @@ def test_block_manager_option_reaches_the_run_and_the_fixtures(suite):
         "leaky_bm:Leaky",
         "--kvchaos-report-dir",
         str(report),
+        "-m",
+        "not conformance",  # its conformance items: tests/test_conformance.py
     )
     res.assert_outcomes(
         passed=1, failed=1

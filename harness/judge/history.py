@@ -8,9 +8,11 @@ Kinds and their fields:
   reject     req, error ("InvalidRequest" | "RequestRejected"), message
   cancel     req, phase (waiting | prefill | decode | preempted), shared (held a block also held by
              another sequence), blocks (the blocks it held)
-  step       latency_s, host_s, free_blocks, running, waiting, prefill_tokens, decode_tokens,
-             preempted, tokens {req: token}, finished, table_version, stale_ranks, rank_crcs,
-             table_crc, cpu_s, and telemetry (RSS, CPU, GPU fields) on sampled steps
+  step       latency_s, host_s (this rank's own host work), upload_s (its table upload part),
+             wait_s (on other real ranks before the model), free_blocks, running, waiting,
+             prefill_tokens, decode_tokens, preempted, tokens {req: token}, finished,
+             table_version, stale_ranks, rank_crcs, table_crc, cpu_s, and telemetry (RSS, CPU, GPU
+             fields) on sampled steps
   snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is
              running); taken as each step's table is uploaded (the table the kernels read), after
              a step that ran nothing, and once more at the end of the run (stamped one past the
@@ -31,6 +33,12 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Iterator
+
+from kvchaos.engine.errors import KVChaosError
+
+
+class HistoryError(KVChaosError, ValueError):
+    """A stored history that is not one: names the file and the line."""
 
 
 class History:
@@ -70,22 +78,67 @@ def read_history(path: str | Path) -> list[dict]:
 
 
 def iter_history(path: str | Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
+    """The events of a stored history. A run killed mid-write leaves a torn last line: skipped,
+    everything before it stands. A bad line with events after it is damage: HistoryError."""
+    torn = None
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
+            if not line.strip():
                 continue
+            if torn is not None:
+                raise HistoryError(
+                    f"{path}:{torn}: not a JSON event, and events follow it: the history is damaged"
+                )
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                # a run killed mid-write leaves a torn last line; everything before it stands
-                return
+                event = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8
+                event = None
+            if isinstance(event, dict):
+                yield event
+            else:
+                torn = n
+
+
+# a run begins with run_start, or with the failure that kept it from starting
+FIRST_EVENTS = ("run_start", "error", "sut_error")
+
+
+def check_history(path: str | Path) -> None:
+    """HistoryError unless path reads as a kvchaos history: a file starting as a run does."""
+    p = Path(path)
+    if not p.is_file():
+        raise HistoryError(f"{p}: {'not a file' if p.exists() else 'missing'}")
+    try:
+        first = next(iter_history(p), None)
+    except OSError as e:
+        raise HistoryError(f"{p}: cannot read it: {e.strerror}") from None
+    if first is None:
+        raise HistoryError(
+            f"{p}: no events in it (empty, or not JSON lines): not a kvchaos history"
+        )
+    if first.get("e") not in FIRST_EVENTS:
+        raise HistoryError(
+            f"{p}: starts with {str(first.get('e'))[:40]!r}, not a run_start event: "
+            "not a kvchaos history"
+        )
 
 
 # Fields that measure time or the machine: they vary run to run; everything else must not.
 # Left out at any depth of an event's dicts (an engine event's data may carry the process id).
 UNSTABLE_KEYS = frozenset(
-    {"latency_s", "host_s", "cpu_s", "time", "wall_s", "telemetry", "commit", "device_name", "pid"}
+    {
+        "latency_s",
+        "host_s",
+        "upload_s",
+        "wait_s",
+        "cpu_s",
+        "time",
+        "wall_s",
+        "telemetry",
+        "commit",
+        "device_name",
+        "pid",
+    }
 )
 
 

@@ -342,6 +342,8 @@ class LiveRun:
                     "step": st.step,
                     "latency_s": st.latency_s,
                     "host_s": st.host_s,
+                    "upload_s": st.upload_s,
+                    "wait_s": st.wait_s,
                     "cpu_s": st.cpu_s,
                     "free_blocks": st.free_blocks,
                     "running": st.num_running,

@@ -8,20 +8,11 @@ from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
 
 def check_manager_calls(events: list[dict]) -> CheckResult:
     """Every call into the block manager returned or refused: an exception escaping one is a bug
-    in the system under test (the call, its arguments and the traceback are its evidence); so is
-    a snapshot that fails its own shape or the harness's record (snapshot_invalid events)."""
+    in the system under test (the call, its arguments and the traceback are its evidence), as is a
+    call that hung or ended the process; so is a snapshot that fails its own shape or the
+    harness's record (snapshot_invalid events)."""
     found = (
-        [
-            Finding(
-                "manager_calls",
-                e["step"],
-                f"{e['call']} raised {e['error']}: {e['message']}",
-                {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")},
-                None,
-                "exception",
-            )
-            for e in _of(events, "sut_error")
-        ]
+        [_call_failure(e) for e in _of(events, "sut_error")]
         + [
             Finding(
                 "manager_calls",
@@ -49,6 +40,18 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
     )
     calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
     return _result("manager_calls", found, calls)
+
+
+def _call_failure(e: dict) -> Finding:
+    """A sut_error event: an exception escaping a call, or (with "how": "hang" | "died", written
+    by an isolated run's parent, kvchaos.harness.tools.isolate) a call that never returned."""
+    evidence = {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")}
+    if e.get("how"):  # "append('r3', 16) did not return within 5 s"
+        return Finding(
+            "manager_calls", e["step"], f"{e['call']} {e['message']}", evidence, None, e["how"]
+        )
+    message = f"{e['call']} raised {e['error']}: {e['message']}"
+    return Finding("manager_calls", e["step"], message, evidence, None, "exception")
 
 
 def check_admission(events: list[dict]) -> CheckResult:

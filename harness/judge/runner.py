@@ -20,7 +20,7 @@ from kvchaos.harness.judge.checkers import run_checkers
 from kvchaos.harness.judge.exercised import exercised
 from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.live import LiveRun
-from kvchaos.harness.judge.scenario import Scenario
+from kvchaos.harness.judge.scenario import Scenario, ScenarioError
 from kvchaos.harness.judge.toml_writer import dumps
 from kvchaos.harness.judge.user_code import REFERENCE, load_object
 from kvchaos.harness.judge.verdict import decide
@@ -51,6 +51,8 @@ def resolve_device(device: str | None) -> str:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
     if device == "cpu":
         torch.set_num_threads(int(os.environ.get("KVCHAOS_CPU_THREADS", "1")))
     return device
@@ -70,13 +72,29 @@ class RunResult:
 
 def new_run_dir(report_dir: Path, name: str, seed: int) -> Path:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = report_dir / f"{stamp}-{name}-s{seed}"
+    leaf = f"{stamp}-{name}-s{seed}"
+    base = report_dir / leaf
+    # defence in depth, for a name its validator never saw: one folder, right in report_dir
+    if Path(leaf).name != leaf or base.resolve().parent != Path(report_dir).resolve():
+        raise ScenarioError(
+            f"scenario name {name[:60]!r}: its run folder would not be in {report_dir}"
+        )
     d, n = base, 1
     while d.exists():
         n += 1
         d = base.with_name(f"{base.name}-{n}")
     d.mkdir(parents=True)
     return d
+
+
+def make_run_dir(report_dir: Path | str, sc: Scenario, seed: int) -> Path:
+    """A new run folder holding the scenario as resolved (defaults filled in): what replay and
+    analyze read, written before anything can fail."""
+    run_dir = new_run_dir(Path(report_dir), sc.name, seed)
+    (run_dir / "scenario.toml").write_text(
+        dumps(sc.model_dump(mode="json", exclude_none=True)), encoding="utf-8"
+    )
+    return run_dir
 
 
 def run_scenario(
@@ -90,21 +108,22 @@ def run_scenario(
     tp_mode: str | None = None,
     world_size: int | None = None,
     cluster=None,
+    run_dir: Path | None = None,
+    on_history=None,
 ) -> RunResult:
     """Run one scenario with one seed. report_dir=None keeps nothing on disk. tp_mode / world_size
     override the scenario's engine.tp_mode / tp_size; cluster: a distributed Cluster to reuse.
     Writes the run's record (scenario.toml, history.jsonl, results.json); reports are the caller's:
-    kvchaos.harness.report.render.publish(result)."""
+    kvchaos.harness.report.render.publish(result). run_dir: a folder make_run_dir made already
+    (an isolated run's parent makes it, to find the history should the worker die);
+    on_history(history): called once the history is open (the worker flushes it when stopped)."""
     tp = {k: v for k, v in (("tp_mode", tp_mode), ("tp_size", world_size)) if v is not None}
     device = resolve_device(device)
-    run_dir = new_run_dir(Path(report_dir), sc.name, seed) if report_dir is not None else None
-    if (
-        run_dir is not None
-    ):  # the scenario as resolved (defaults filled in): what replay and analyze read
-        (run_dir / "scenario.toml").write_text(
-            dumps(sc.model_dump(mode="json", exclude_none=True)), encoding="utf-8"
-        )
+    if run_dir is None and report_dir is not None:
+        run_dir = make_run_dir(report_dir, sc, seed)
     history = History(run_dir / "history.jsonl" if run_dir else None, keep=True)
+    if on_history is not None:
+        on_history(history)
     if (
         block_manager is not None and not block_manager_spec
     ):  # name it, for the history and the replay line
@@ -192,6 +211,8 @@ def run_scenario(
         "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks],
         "history_digest": history.digest(),
+        # what orders the manager's sets and dicts of strings: fixed in an isolated worker
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED") or "random",
         "metrics": _metrics(events),
         "exercised": v.exercised,
         "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
@@ -243,6 +264,9 @@ def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None,
     v.exercised = exercised(events)
     if v.verdict == "PASS" and v.exercised["not_exercised"]:  # a PASS says what it did not cover
         v.summary += f"; not exercised: {', '.join(v.exercised['not_exercised'])}"
+    ended = [f for c in checks for f in c.findings if f.kind in ("hang", "died")]
+    if ended and ended[0].message not in v.summary:  # how the run ended, after its first finding
+        v.summary += f"; the run ended: {ended[0].message}"
     return checks, v
 
 

@@ -10,6 +10,13 @@ from itertools import chain
 
 def problem(snap, engine, num_blocks: int) -> str | None:
     """What is wrong with a snapshot, in one line, or None."""
+    computed = [(s.id, s.num_computed, len(s.tokens)) for s in engine.running]
+    return problem_seen(snap, num_blocks, engine.bm.num_free_blocks, engine.bm.block_size, computed)
+
+
+def problem_seen(snap, num_blocks: int, free_count: int, block_size: int, computed) -> str | None:
+    """problem() against what a harness saw: the pool it configured, the manager's free count,
+    and for each live sequence (id, tokens computed, tokens it has)."""
     try:
         d = snap.to_dict()
     except Exception as e:  # not a Snapshot at all
@@ -44,22 +51,19 @@ def problem(snap, engine, num_blocks: int) -> str | None:
         isinstance(toks, dict) and all(_ints([v], 0, None) for v in toks.values())
     ):
         return "seq_tokens (optional) does not map sequences to token counts"
-    said = engine.bm.num_free_blocks
-    if said != len(free):
-        return f"num_free_blocks says {said}, the snapshot lists {len(free)} free blocks"
-    bs = engine.bm.block_size
-    for seq in engine.running:  # every token the engine computed has a slot the snapshot lists
-        have = len(blocks.get(seq.id, ())) * bs
-        if seq.num_computed > have:
+    if free_count != len(free):
+        return f"num_free_blocks says {free_count}, the snapshot lists {len(free)} free blocks"
+    for seq, done, total in computed:  # every token computed has a slot the snapshot lists
+        have = len(blocks.get(seq, ())) * block_size
+        if done > have:
             return (
-                f"sequence {seq.id} has {seq.num_computed} tokens computed, the snapshot lists "
-                f"blocks for {have}"
+                f"sequence {seq} has {done} tokens computed, the snapshot lists blocks for {have}"
             )
-        n = (toks or {}).get(seq.id)
-        if n is not None and not seq.num_computed <= n <= len(seq.tokens):
+        n = (toks or {}).get(seq)
+        if n is not None and not done <= n <= total:
             return (
-                f"sequence {seq.id} has slots for {n} tokens by its snapshot; the engine has "
-                f"computed {seq.num_computed} of its {len(seq.tokens)}"
+                f"sequence {seq} has slots for {n} tokens by its snapshot; the engine has "
+                f"computed {done} of its {total}"
             )
     return None
 

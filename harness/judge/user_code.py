@@ -3,11 +3,18 @@
 Two copies of kvchaos's modules in one process (the old top-level `engine.*` names, or a checkout
 on sys.path beside the installed package) would give two `OutOfBlocks` classes: a manager's correct
 refusal would then escape the engine as an unexpected exception. Loading refuses that, naming the
-`kvchaos.*` import to use instead."""
+`kvchaos.*` import to use instead.
+
+`validate_manager` is the check before any run: the factory builds a manager on a tiny pool, the
+manager has the protocol's attributes, and a short smoke sequence (append, fork, free, snapshot)
+runs without an exception and answers in the protocol's types. Whether its answers are true is
+for the runs' checkers and `kvchaos conformance` to judge, not for the door."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import numbers
 import os
 import sys
 from pathlib import Path
@@ -90,12 +97,18 @@ def load_object(spec: str):
         sys.path.insert(0, os.getcwd())  # as pytest makes its rootdir importable
     try:
         obj = importlib.import_module(mod)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+        if e.name is None or not (mod == e.name or mod.startswith(e.name + ".")):
+            raise ValueError(f"{spec!r}: importing {mod} raised ModuleNotFoundError: {e}") from None
         raise ValueError(
-            f"{spec!r}: cannot import {mod}: {e} (searched: the current directory, PYTHONPATH)"
+            f"{spec!r}: cannot import {mod}: {e} (kvchaos looks in the current directory, "
+            f"{os.getcwd()}, and on PYTHONPATH: run from the folder that holds "
+            f"{mod.split('.')[0]}, or add that folder to PYTHONPATH)"
         ) from None
     except Exception as e:  # a syntax error, or a module that raises on import
-        raise ValueError(f"{spec!r}: importing {mod} raised {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"{spec!r}: importing {mod} raised {type(e).__name__}: {_line(e)}"
+        ) from None
     copies = second_copies()
     if copies:
         name, ours = max(copies, key=lambda c: len(c[0]))  # the most specific module
@@ -108,3 +121,131 @@ def load_object(spec: str):
             raise ValueError(f"{spec!r}: {mod} has no attribute {attr}")
         obj = getattr(obj, part)
     return obj
+
+
+# -- the check before any run ----------------------------------------------------------------
+SMOKE_POOL = (8, 2, 4, 4)  # num_blocks, block_size, max_num_seqs, max_blocks_per_seq
+TABLE_MEMBERS = ("rows", "width", "host_tensor")  # what the engine reads of `table`
+SNAPSHOT_FIELDS = {  # Snapshot.to_dict(): each field's type
+    "num_blocks": int,
+    "free": list,
+    "ref_counts": list,
+    "seq_blocks": dict,
+    "seq_rows": dict,
+    "table": list,
+    "table_width": int,
+}
+
+
+class _Refused(Exception):
+    """The smoke sequence found the manager unusable: one line."""
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _call(bm, name: str, *args):
+    """One call of the smoke sequence; a refusal (OutOfBlocks) is an answer: None."""
+    from kvchaos.engine.errors import OutOfBlocks  # here: the door imports no torch until used
+
+    shown = f"{name}({', '.join(map(repr, args))})"
+    try:
+        return getattr(bm, name)(*args)
+    except OutOfBlocks:
+        return None
+    except Exception as e:
+        raise _Refused(f"{shown} raised {type(e).__name__}: {_line(e)}") from None
+
+
+def _read(bm, name: str):
+    try:
+        value = getattr(bm, name)
+    except Exception as e:
+        raise _Refused(f"reading {name} raised {type(e).__name__}: {_line(e)}") from None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise _Refused(f"{name} is {type(value).__name__} {value!r}, not an int")
+    return value
+
+
+def _snapshot(bm) -> None:
+    snap = _call(bm, "snapshot")
+    try:
+        d = snap.to_dict()
+    except Exception:
+        raise _Refused(
+            f"snapshot() returned {type(snap).__name__}, not a kvchaos.engine.protocols.Snapshot"
+        ) from None
+    for field, kind in SNAPSHOT_FIELDS.items():
+        if not isinstance(d.get(field), kind) or isinstance(d.get(field), bool):
+            got = type(d.get(field)).__name__ if field in d else "nothing"
+            raise _Refused(f"snapshot() field {field} is {got}, not {kind.__name__}")
+
+
+def _smoke(bm) -> None:
+    """A sequence's life on the tiny pool: every call answers, in the protocol's types."""
+    from kvchaos.engine.protocols import BlockManagerProtocol, capabilities
+
+    members = [*BlockManagerProtocol.__annotations__, *vars(BlockManagerProtocol)]
+    missing = [n for n in members if not n.startswith("_") and not _has(bm, n)]
+    missing += [f"table.{n}" for n in TABLE_MEMBERS if _has(bm, "table") and not _has(bm.table, n)]
+    if missing:
+        raise _Refused(
+            f"{type(bm).__name__} is not a block manager: it lacks {', '.join(missing)} "
+            "(kvchaos.engine.protocols.BlockManagerProtocol)"
+        )
+    for name in ("num_blocks", "num_free_blocks", "num_free_rows", "block_size"):
+        _read(bm, name)
+    if not isinstance(_call(bm, "blocks_needed", "smoke-a", 3), int):
+        raise _Refused("blocks_needed('smoke-a', 3) did not return an int")
+    for seq, tokens in (("smoke-a", 3), ("smoke-a", 1)):
+        copies = _call(bm, "append", seq, tokens)
+        if copies is not None and not isinstance(copies, list):
+            raise _Refused(
+                f"append({seq!r}, {tokens}) returned {type(copies).__name__}, not a list of "
+                "(src, dst) copies"
+            )
+    _snapshot(bm)
+    if "fork" in capabilities(bm):
+        _call(bm, "fork", "smoke-a", "smoke-b")
+        _call(bm, "append", "smoke-b", 1)
+        _snapshot(bm)
+    for seq in ("smoke-a", "smoke-a", "smoke-b", "never-seen"):  # free is idempotent
+        _call(bm, "free", seq)
+    _snapshot(bm)
+
+
+def _has(obj, name: str) -> bool:
+    """Without calling a property: a getter that raises is the smoke sequence's to report."""
+    try:
+        inspect.getattr_static(obj, name)
+        return True
+    except AttributeError:
+        return hasattr(obj, name)  # __getattr__ forwarding
+
+
+def validate_manager(spec: str):
+    """The block manager factory 'module:attr' names, checked before any run: ValueError (one
+    line, bad input) when it cannot be loaded, called on a tiny pool, lacks the protocol's
+    attributes, or fails the smoke sequence. Returns the factory."""
+    factory = load_object(spec)
+    if not callable(factory):
+        raise ValueError(
+            f"{spec!r} is {type(factory).__name__}, not a block manager class or factory"
+        )
+    args = ", ".join(map(str, SMOKE_POOL))
+    try:
+        bm = factory(*SMOKE_POOL)
+    except Exception as e:
+        raise ValueError(
+            f"{spec!r}: calling it on a tiny pool ({args}: num_blocks, block_size, max_num_seqs, "
+            f"max_blocks_per_seq) raised {type(e).__name__}: {_line(e)}"
+        ) from None
+    if bm is None:
+        raise ValueError(f"{spec!r}({args}) returned None, not a block manager")
+    try:
+        _smoke(bm)
+    except _Refused as e:
+        raise ValueError(f"{spec!r} on a tiny pool ({args}): {e}") from None
+    return factory

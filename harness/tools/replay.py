@@ -21,28 +21,37 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvchaos.harness.judge.history import UNSTABLE_KEYS, _stable_line, iter_history
-from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec
+from kvchaos.harness.judge import inputs
+from kvchaos.harness.judge.history import UNSTABLE_KEYS, _stable_line, check_history, iter_history
+from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec, validate_manager
 
 EXIT_DIFFERENT = 1
+# Events that are the block manager's own answers: its snapshots and its refusals.
+MANAGER_ANSWERS = ("snapshot", "snapshot_invalid", "sut_error")
 
 
 def load_run(run_dir: str | Path):
     """(Scenario, scenario dict, results) of a stored run; one clear error if it is not one."""
     from kvchaos.harness.judge.scenario import ScenarioError, load_scenario, parse_scenario, tomllib
+    from kvchaos.harness.report.analyze import read_results
 
     d = Path(run_dir)
     if not d.is_dir():
-        raise ValueError(f"{run_dir}: no such run folder")
-    try:
-        results = json.loads((d / "results.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{run_dir}: no results.json: not a kvchaos run folder") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{d / 'results.json'}: not valid JSON: {e}") from None
-    for key in ("seed", "device"):
+        raise ValueError(f"{run_dir}: {'not a folder' if d.exists() else 'no such run folder'}")
+    results = read_results(d)
+    if not results:
+        raise ValueError(f"{run_dir}: no results.json (or an empty one): not a kvchaos run folder")
+    for key, kind, check in (("seed", int, inputs.seed), ("device", str, inputs.device)):
         if key not in results:
             raise ValueError(f"{d / 'results.json'}: no {key!r}: not a kvchaos run's results")
+        try:
+            if type(results[key]) is not kind:
+                raise ValueError(f"{results[key]!r}: expected {kind.__name__}")
+            check(str(results[key]))
+        except ValueError as e:
+            raise ValueError(f"{d / 'results.json'}: {key}: {e}") from None
+    if (d / "history.jsonl").exists():
+        check_history(d / "history.jsonl")
     toml_path, json_path = d / "scenario.toml", d / "scenario.json"
     if toml_path.exists():
         sc = load_scenario(toml_path)
@@ -106,6 +115,7 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
     pairs = itertools.zip_longest(
         _today(iter_history(recorded)), _today(iter_history(replayed)), fillvalue=missing
     )
+    answers = 0  # the manager's answers before this event, identical in both
     for i, (a, b) in enumerate(pairs):
         if a is missing or b is missing:
             there = b if a is missing else a
@@ -117,6 +127,10 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
                 f"has event {i}",
             }
         if _stable_line(a) != _stable_line(b):
+            if _is_answer(a) or _is_answer(b):  # the manager answered otherwise, all else equal
+                manager = "first answer" if answers == 0 else "answer"
+            else:
+                manager = None
             sa, sb = _stable(a), _stable(b)
             keys = sorted(
                 k for k in sa.keys() | sb.keys() if sa.get(k, missing) != sb.get(k, missing)
@@ -128,8 +142,16 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
                 "keys": keys,
                 "recorded": {k: sa.get(k) for k in keys},
                 "replayed": {k: sb.get(k) for k in keys},
+                "manager": manager,
             }
+        answers += _is_answer(a)
     return None
+
+
+def _is_answer(event: dict) -> bool:
+    return event.get("e") in MANAGER_ANSWERS or (
+        event.get("e") == "engine" and event.get("kind") == "refusal"
+    )
 
 
 def replay(
@@ -137,9 +159,11 @@ def replay(
     device: str | None = None,
     timeout_s: float | None = None,
     overrides: dict | None = None,
+    isolated: bool = True,
 ) -> dict:
-    """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}"""
-    from kvchaos.harness.judge.runner import run_scenario
+    """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}
+    isolated: in a fresh worker with the fixed hash seed, as `kvchaos run` records runs."""
+    from kvchaos.harness.tools.isolate import run, validate_isolated
 
     sc, _, results = load_run(run_dir)
     device = device or results["device"]
@@ -147,12 +171,19 @@ def replay(
         **recorded_setup(run_dir, results),
         **{k: v for k, v in (overrides or {}).items() if v},
     }
+    if setup["block_manager_spec"]:  # bad input (exit 2) before anything runs
+        (validate_isolated if isolated else validate_manager)(setup["block_manager_spec"])
     stored = Path(run_dir) / "history.jsonl"
+    # the whole stored history is read before the re-run: damage is one line, not a wasted run
+    recorded = history_digest(stored) if stored.exists() else results.get("history_digest")
     plots = os.environ.get("KVCHAOS_PLOTS")
     os.environ["KVCHAOS_PLOTS"] = "none"  # the replay's folder is thrown away: no figures for it
     try:
         with tempfile.TemporaryDirectory(prefix="kvchaos-replay-") as tmp:
-            r = run_scenario(sc, results["seed"], device, tmp, timeout_s=timeout_s, **setup)
+            r = run(
+                sc, results["seed"], isolated=isolated, device=device, report_dir=tmp,
+                timeout_s=timeout_s, **setup,
+            )  # fmt: skip
             new = r.results["history_digest"]
             diff = (
                 first_difference(stored, r.run_dir / "history.jsonl") if stored.exists() else None
@@ -161,7 +192,6 @@ def replay(
         os.environ.pop("KVCHAOS_PLOTS") if plots is None else os.environ.__setitem__(
             "KVCHAOS_PLOTS", plots
         )
-    recorded = history_digest(stored) if stored.exists() else results.get("history_digest")
     return {
         "identical": recorded == new and diff is None,
         "recorded_digest": recorded,
@@ -207,6 +237,17 @@ def describe(out: dict) -> str:
         lines.append(f"  first differing event: #{d['index']} ({d['event']} at step {d['step']})")
         if "detail" in d:
             lines.append(f"    {d['detail']}")
+        if d.get("manager") == "first answer":
+            lines.append(
+                "  the block manager is nondeterministic: its first answer differs with everything "
+                "before it identical (its own randomness, the order of a set, the clock, or "
+                "state kept from an earlier run in its module)"
+            )
+        elif d.get("manager"):
+            lines.append(
+                "  the first difference is an answer of the block manager, everything before it "
+                "identical: the block manager is likely nondeterministic"
+            )
         for k in d.get("keys", []):
             lines.append(
                 f"    {k}: recorded {_short(d['recorded'][k])} "
@@ -235,10 +276,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a run folder (holds results.json and scenario.toml/.json)",
     )
     p.add_argument(
-        "--device", default=None, help="replay on this device instead of the recorded one"
+        "--device",
+        default=None,
+        type=inputs.flag(inputs.device),
+        help="replay on this device instead of the recorded one",
     )
     p.add_argument(
-        "--timeout", type=float, default=None, metavar="S", help="time limit for the replay"
+        "--timeout",
+        type=inputs.flag(inputs.seconds),
+        default=None,
+        metavar="S",
+        help="time limit for the replay",
     )
     p.add_argument(
         "--block-manager",
@@ -252,8 +300,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="replay with these ranks instead of the recorded ones",
     )
-    p.add_argument("--world-size", type=int, default=None, help="ranks (with --tp-mode)")
+    p.add_argument(
+        "--world-size",
+        type=inputs.flag(inputs.world_size),
+        default=None,
+        help="ranks (with --tp-mode)",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="replay in this process (for a debugger) instead of a fresh worker with the fixed "
+        "hash seed `kvchaos run` records runs with",
+    )
 
 
 def main(args) -> int:
@@ -262,6 +321,6 @@ def main(args) -> int:
         "tp_mode": args.tp_mode,
         "world_size": args.world_size,
     }
-    out = replay(args.run_dir, args.device, args.timeout, overrides)
+    out = replay(args.run_dir, args.device, args.timeout, overrides, not args.in_process)
     print(json.dumps(out, indent=1, default=str) if args.json else describe(out))
     return 0 if out["identical"] else EXIT_DIFFERENT

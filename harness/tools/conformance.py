@@ -1,0 +1,271 @@
+"""Conformance: the protocol's properties, tested against your block manager.
+
+  kvchaos conformance --block-manager mypkg.bm:MyBlockManager
+
+Hypothesis drives the manager through random histories (start, grow, decode, fork, free,
+resize) on small pools, as the engine would, and judges each property after every call: a
+refused operation changes nothing; append succeeds whenever num_free_blocks covers
+blocks_needed (the manager may take more or fewer blocks); every sequence reads back, through
+the block table, what was written (so copy-on-write keeps every holder's data, and rows and
+resize keep every sequence's blocks); free is idempotent; each snapshot passes the checks a run
+makes of it against what the harness saw. A property that needs a capability the manager does
+not declare (fork, seq_tokens, append_decode) is reported "not applicable". A failure is shrunk
+to a short history of steps and printed. The same seed gives the same result. The same tests
+run under pytest: `pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a
+property.
+
+Exit codes: 0 every applicable property passed, 1 one failed, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as use_seed
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvchaos.harness.judge.conformance import (
+    PROPERTIES,
+    ConformanceMachine,
+    Violation,
+    applicable,
+)
+from kvchaos.harness.judge.user_code import validate_manager
+
+EXIT_FAILED = 1
+EXAMPLES, STEPS, SHRINK_S = 200, 30, 10.0  # 200 histories of 30 steps: ~2 s on the reference
+
+
+@dataclass
+class PropertyResult:
+    name: str
+    says: str
+    status: str  # "passed", "failed", "not exercised" (never judged) or "not applicable"
+    judged: int = 0  # judgements made of it, over every history run
+    message: str = ""
+    reproducer: list[str] = field(default_factory=list)  # the shrunk Hypothesis steps
+    shrunk: bool = True  # False: shrinking stopped at its time cap; a shorter one may exist
+
+
+def _violation(error: BaseException) -> Violation | None:
+    """The Violation behind a failure (Hypothesis may wrap it, e.g. as flaky)."""
+    if isinstance(error, Violation):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = _violation(inner)
+        if found is not None:
+            return found
+    return None
+
+
+@contextmanager
+def _shrinking_for(seconds: float):
+    """Hypothesis shrinks a failure for up to 5 minutes; a failure that needs a long history
+    (a refusal on every fifth call) would hold the command that long. Its own cap, lowered."""
+    from hypothesis.internal.conjecture import engine
+
+    old = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    engine.MAX_SHRINKING_SECONDS = seconds
+    try:
+        yield
+    finally:
+        if old is None:
+            del engine.MAX_SHRINKING_SECONDS
+        else:
+            engine.MAX_SHRINKING_SECONDS = old
+
+
+def run_conformance(
+    factory, examples: int = EXAMPLES, seed: int = 0, steps: int = STEPS, shrink_s=SHRINK_S
+) -> list[PropertyResult]:
+    """Every property of PROPERTIES for the manager `factory` builds: passed, failed (with the
+    steps that show it, shrunk for at most shrink_s seconds) or not applicable. Runs the machine
+    again without each property that failed, until the rest pass."""
+    caps = applicable(factory(16, 4, 4, 8))
+    judged = {p for p, (need, _) in PROPERTIES.items() if need is None or need in caps}
+    tally: Counter = Counter()
+    failed: dict[str, tuple] = {}
+    config = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,  # nothing written into the user's folder
+        print_blob=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+    )
+    while True:
+        machine = type(
+            "BlockManagerConformance",
+            (ConformanceMachine,),
+            {"factory": factory, "enabled": frozenset(judged - set(failed)), "tally": tally},
+        )
+        said: list[str] = []  # Hypothesis's reports (the steps come as the error's notes)
+        try:
+            with _shrinking_for(shrink_s), with_reporter(said.append):
+                run_state_machine_as_test(use_seed(seed)(machine), settings=config)
+            break
+        except Exception as e:
+            v = _violation(e)
+            if v is None or v.prop in failed:
+                raise
+            notes = getattr(v, "__notes__", None) or getattr(e, "__notes__", ())
+            steps_ = [n for n in notes if n.startswith("state") or " = state." in n]
+            cut = any("stopped because" in line for line in said)  # its shrink-time warning
+            failed[v.prop] = (str(v).partition(": ")[2], steps_, not cut)
+    out = []
+    for name, (need, says) in PROPERTIES.items():
+        if name not in judged:
+            out.append(
+                PropertyResult(name, says, "not applicable", message=f"declares no {need!r}")
+            )
+        elif name in failed:
+            out.append(PropertyResult(name, says, "failed", tally[name], *failed[name]))
+        else:
+            status = "passed" if tally[name] else "not exercised"
+            out.append(PropertyResult(name, says, status, tally[name]))
+    return out
+
+
+def describe_failure(r: PropertyResult) -> list[str]:
+    how = "shrunk" if r.shrunk else "shrinking stopped at its time cap"
+    return [f"{r.name} FAILED: {r.message}", f"  reproducer ({how}):"] + [
+        f"    {line}" for line in r.reproducer
+    ]
+
+
+def describe(spec: str, results: list[PropertyResult], examples: int, seed: int) -> str:
+    width = max(len(r.name) for r in results)
+    lines = [
+        f"kvchaos conformance: {spec} ({examples} histories, seed {seed})",
+        f"{'property':<{width}}  {'result':<14}  {'checks':>7}  what it says",
+    ]
+    for r in results:
+        checks = str(r.judged) if r.status != "not applicable" else "-"
+        result = "FAILED" if r.status == "failed" else r.status
+        says = r.says + (f" (the manager {r.message})" if r.status == "not applicable" else "")
+        lines.append(f"{r.name:<{width}}  {result:<14}  {checks:>7}  {says}")
+    bad = [r for r in results if r.status == "failed"]
+    for r in bad:
+        lines += ["", *describe_failure(r)]
+    count = Counter(r.status for r in results)
+    applicable_ = len(results) - count["not applicable"]
+    unseen = (
+        f"; {count['not exercised']} not exercised (no history reached them"
+        + (" past the failures" if bad else ": try more --examples")
+        + ")"
+        if count["not exercised"]
+        else ""
+    )
+    if bad:
+        summary = f"{len(bad)} of {applicable_} applicable properties failed{unseen}"
+        again = f"kvchaos conformance --block-manager {spec} --examples {examples} --seed {seed}"
+        lines += ["", summary, f"the same histories again: {again}"]
+    else:
+        lines += ["", f"{count['passed']} of {applicable_} applicable properties passed{unseen}"]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument(
+        "--block-manager",
+        required=True,
+        metavar="MODULE:ATTR",
+        help="the block manager under test, called as "
+        "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)",
+    )
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=EXAMPLES,
+        metavar="N",
+        help=f"random histories per run (default {EXAMPLES})",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the histories' seed (default 0)")
+    p.add_argument(
+        "--steps", type=int, default=STEPS, metavar="N", help=f"calls per history ({STEPS})"
+    )
+    p.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=SHRINK_S,
+        metavar="S",
+        help=f"time to shrink each failure to a short history (default {SHRINK_S:g})",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def main(args) -> int:
+    for flag, value in (("--examples", args.examples), ("--steps", args.steps)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+    if not args.shrink_seconds > 0:
+        raise ValueError(f"--shrink-seconds {args.shrink_seconds}: must be > 0")
+    factory = validate_manager(args.block_manager)
+    results = run_conformance(factory, args.examples, args.seed, args.steps, args.shrink_seconds)
+    failed = any(r.status == "failed" for r in results)
+    if args.json:
+        doc = {"block_manager": args.block_manager, "examples": args.examples, "seed": args.seed}
+        print(
+            json.dumps(
+                {**doc, "passed": not failed, "properties": [asdict(r) for r in results]}, indent=1
+            )
+        )
+    else:
+        print(describe(args.block_manager, results, args.examples, args.seed))
+    return EXIT_FAILED if failed else 0
+
+
+# -- under pytest: one item a property ---------------------------------------------------------
+class ConformanceFailure(Exception):
+    pass
+
+
+class ConformanceItem(pytest.Item):
+    """One property of the conformance suite for --kvchaos-block-manager. The suite runs once a
+    session (at the first such item); each item reports its own property."""
+
+    def __init__(self, *, prop: str, spec: str, **kw) -> None:
+        super().__init__(**kw)
+        self.prop, self.spec = prop, spec
+        self.add_marker("conformance")
+
+    def runtest(self) -> None:
+        cfg = self.config
+        if not hasattr(cfg, "_kvchaos_conformance"):
+            cfg._kvchaos_conformance = run_conformance(validate_manager(self.spec))
+        r = next(r for r in cfg._kvchaos_conformance if r.name == self.prop)
+        if r.status == "not applicable":
+            pytest.skip(f"not applicable: {self.spec} {r.message}")
+        if r.status == "not exercised":
+            pytest.skip(f"not exercised: no history of {self.spec} reached it")
+        if r.status == "failed":
+            raise ConformanceFailure(r)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, ConformanceFailure):
+            return "\n".join(describe_failure(excinfo.value.args[0]))
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"kvchaos conformance {self.prop} of {self.spec}"
+
+
+def conformance_items(session, spec: str) -> list[ConformanceItem]:
+    return [
+        ConformanceItem.from_parent(
+            session,
+            name=f"conformance[{name}]",
+            nodeid=f"kvchaos-conformance::{name}",
+            prop=name,
+            spec=spec,
+        )
+        for name in PROPERTIES
+    ]

@@ -1,0 +1,155 @@
+"""`kvchaos conformance`: the protocol's properties against any block manager. The reference and
+honest managers (preallocating, refusing, sharing full blocks only, without fork) pass; a
+snapshot that lies, a refusal that changes the manager, a manager that refuses with room each
+fail their property, with a shrunk reproducer and exit 1; undeclared capabilities are "not
+applicable"; pytest collects the same properties as items."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hypothesis  # noqa: F401  imported once here: pytester's in-process runs drop what they import
+import pytest
+
+import kvchaos.harness.tools.conformance  # noqa: F401
+from kvchaos.engine.block_manager import BlockManager
+from kvchaos.harness.cli import main
+from kvchaos.harness.tools.conformance import run_conformance
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))  # tests/managers.py, named by spec
+
+import managers  # noqa: E402
+
+pytest_plugins = ["pytester"]
+OPTIONAL = {"fork", "copy_on_write", "seq_tokens", "append_decode"}  # need a capability
+
+
+def statuses(results) -> dict[str, str]:
+    return {r.name: r.status for r in results}
+
+
+def conformance(capsys, spec: str, *extra: str):
+    rc = main(["conformance", "--block-manager", spec, *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_the_reference_passes_every_property(capsys):
+    rc, out, err = conformance(capsys, "kvchaos.engine.block_manager:BlockManager")
+    assert rc == 0, out + err
+    rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[2:13]}
+    assert rows == dict.fromkeys(rows, "passed") and len(rows) == 11, out
+    assert "11 of 11 applicable properties passed" in out
+
+
+@pytest.mark.parametrize("manager", [managers.StaleSnapshot, managers.HidesSharing])
+def test_a_snapshot_that_lies_is_caught_with_a_shrunk_reproducer(manager):
+    results = {r.name: r for r in run_conformance(manager, examples=100)}
+    bad = [r for r in results.values() if r.status == "failed"]
+    assert [r.name for r in bad] == ["snapshot"], [(r.name, r.message) for r in bad]
+    r = bad[0]
+    assert r.shrunk and r.reproducer[0] == "state = BlockManagerConformance()"
+    assert r.reproducer[-1] == "state.teardown()" and len(r.reproducer) <= 6, r.reproducer
+    if manager is managers.HidesSharing:  # only a fork shows the lie: the ref counts of two holders
+        assert "ref count" in r.message and any("fork" in s for s in r.reproducer)
+
+
+def test_the_command_prints_the_reproducer_and_exits_1(capsys):
+    rc, out, _ = conformance(capsys, "managers:StaleSnapshot", "--examples", "50")
+    assert rc == 1
+    assert "snapshot       FAILED" in out and "snapshot FAILED: num_free_blocks says" in out
+    assert "  reproducer (shrunk):\n    state = BlockManagerConformance()\n" in out
+    assert (
+        "kvchaos conformance --block-manager managers:StaleSnapshot --examples 50 --seed 0" in out
+    )
+
+
+def test_a_refusal_that_changes_the_manager_is_caught():
+    results = {r.name: r for r in run_conformance(managers.NoRollback, examples=100, shrink_s=3)}
+    assert [n for n, r in results.items() if r.status == "failed"] == ["refusal"]
+    r = results["refusal"]
+    assert "refused (OutOfBlocks), yet changed" in r.message and "num_free_blocks" in r.message
+    assert any(".append(" in step for step in r.reproducer)
+
+
+def test_a_refusal_with_room_fails_room_and_nothing_else():
+    """Watermark refuses a new sequence the pool has room for: the engine copes (runs PASS), but
+    the protocol says append succeeds whenever num_free_blocks covers blocks_needed."""
+    results = statuses(run_conformance(managers.Watermark, examples=100, shrink_s=2))
+    assert [n for n, s in results.items() if s == "failed"] == ["room"]
+
+
+@pytest.mark.parametrize(
+    "manager",
+    [
+        managers.Preallocating,
+        managers.RefusesWhenLow,
+        managers.NoFork,
+        managers.SharesFullBlocksOnly,
+    ],
+)
+def test_honest_managers_pass(manager):
+    results = statuses(run_conformance(manager, examples=100))
+    assert "failed" not in results.values(), results
+    assert results["refusal"] == results["room"] == results["data"] == "passed"
+
+
+def test_a_manager_without_fork_passes_with_fork_not_applicable(capsys):
+    rc, out, _ = conformance(capsys, "managers:WithoutFork", "--examples", "50")
+    assert rc == 0, out
+    table = {ln.split()[0]: ln for ln in out.splitlines()[2:13]}
+    for name in OPTIONAL:
+        assert "not applicable" in table[name] and "the manager declares no" in table[name]
+    for name in set(table) - OPTIONAL:
+        assert table[name].split()[1] == "passed", table[name]
+    assert "7 of 7 applicable properties passed" in out
+
+
+def test_the_same_seed_gives_the_same_result_and_another_seed_other_histories():
+    a = run_conformance(managers.StaleSnapshot, examples=20, seed=3)
+    assert a == run_conformance(managers.StaleSnapshot, examples=20, seed=3)
+    counts = [r.judged for r in run_conformance(BlockManager, examples=20, seed=4)]
+    assert counts != [r.judged for r in run_conformance(BlockManager, examples=20, seed=5)]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--block-manager", "os:path.join"], "'os:path.join': calling it on a tiny pool"),
+        (["--block-manager", "managers:Nope"], "managers has no attribute Nope"),
+        (["--block-manager", "managers:Delegate", "--examples", "0"], "--examples 0: must be"),
+        (["--block-manager", "managers:Delegate", "--shrink-seconds", "0"], "--shrink-seconds"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
+    rc = main(["conformance", *extra])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_pytest_collects_one_item_a_property(pytester):
+    pytester.syspathinsert(TESTS)
+    pytester.makepyfile(test_mine="def test_mine():\n    pass\n")
+    res = pytester.runpytest("--kvchaos-block-manager", "managers:WithoutFork", "-rs")
+    res.assert_outcomes(passed=1 + 7, skipped=len(OPTIONAL))
+    res.stdout.fnmatch_lines(["*not applicable: managers:WithoutFork declares no 'fork'*"])
+    res = pytester.runpytest(
+        "--kvchaos-block-manager", "managers:StaleSnapshot", "-m", "conformance", "-q"
+    )
+    # every history stops at the lie: the paths past it are "not exercised" (skipped), not passed
+    res.assert_outcomes(passed=7, failed=1, skipped=3)
+    res.stdout.fnmatch_lines(["*snapshot FAILED: num_free_blocks says*", "*reproducer (shrunk):*"])
+    assert "test_mine" not in res.stdout.str()  # -m deselects the plain test, keeps the items
+
+
+def test_json_output_says_each_property_and_the_verdict(capsys):
+    import json
+
+    rc, out, _ = conformance(capsys, "managers:StaleSnapshot", "--examples", "20", "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["passed"] is False and doc["seed"] == 0
+    props = {p["name"]: p for p in doc["properties"]}
+    assert props["snapshot"]["status"] == "failed" and props["snapshot"]["reproducer"]
+    assert {p["status"] for p in props.values()} <= {"passed", "failed", "not exercised"}

@@ -1,0 +1,181 @@
+"""A block manager is checked before any run: loaded, built on a tiny pool, its attributes and a
+smoke sequence (append, fork, free, snapshot). Whatever is wrong is one line and exit 2 (in
+pytest, a usage error, never INTERNALERROR); a module of the current directory is importable.
+And a manager that shares only full blocks (no copy-on-write) runs its forks to PASS: each fork
+it refuses becomes a fresh request."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvchaos.harness.cli import main
+from kvchaos.harness.judge.runner import run_scenario
+from kvchaos.harness.judge.scenario import load_scenario
+from kvchaos.harness.judge.user_code import validate_manager
+
+TESTS = Path(__file__).parent
+KVCHAOS = Path(sys.executable).parent / "kvchaos"
+pytest_plugins = ["pytester"]
+
+MODULES = {
+    "bm_none.py": "NOTHING = None\n",
+    "bm_plain.py": """
+        PLAIN = object()
+
+        class Plain:
+            def __init__(self, *args):
+                pass
+
+        def returns_none(*args):
+            return None
+        """,
+    "bm_explodes.py": """
+        class Explodes:
+            def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq):
+                raise RuntimeError("no GPU here")
+        """,
+    "bm_syntax.py": "def broken(:\n    pass\n",
+    "bm_raises.py": "raise RuntimeError('import-time boom')\n",
+    "bm_needs_dep.py": "import nosuchdep_xyz\n",
+    "bm_wrong.py": """
+        from kvchaos.engine.block_manager import BlockManager
+
+        class DictCopies(BlockManager):
+            def append(self, seq_id, n):
+                super().append(seq_id, n)
+                return {}
+
+        class ForkCrashes(BlockManager):
+            def fork(self, parent_id, child_id):
+                return [][0]
+        """,
+}
+BAD = [
+    ("bm_none:NOTHING", "'bm_none:NOTHING' is NoneType, not a block manager class or factory"),
+    ("bm_plain:PLAIN", "'bm_plain:PLAIN' is object, not a block manager class or factory"),
+    ("bm_plain:Plain", "Plain is not a block manager: it lacks block_size, table, num_blocks"),
+    ("bm_plain:returns_none", "'bm_plain:returns_none'(8, 2, 4, 4) returned None"),
+    ("os:path.join", "calling it on a tiny pool (8, 2, 4, 4: num_blocks, block_size, max_num"),
+    ("bm_explodes:Explodes", "raised RuntimeError: no GPU here"),
+    ("bm_syntax:BM", "importing bm_syntax raised SyntaxError"),
+    ("bm_raises:BM", "importing bm_raises raised RuntimeError: import-time boom"),
+    ("bm_needs_dep:BM", "importing bm_needs_dep raised ModuleNotFoundError: No module named"),
+    ("bm_wrong:DictCopies", "append('smoke-a', 3) returned dict, not a list of (src, dst)"),
+    ("bm_wrong:ForkCrashes", "fork('smoke-a', 'smoke-b') raised IndexError"),
+    ("bm_nosuch:BM", "cannot import bm_nosuch"),
+]
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """The user's folder, the current directory, holding their modules."""
+    for name, text in MODULES.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_object may add the cwd
+    for name in MODULES:
+        monkeypatch.delitem(sys.modules, name.removesuffix(".py"), raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("spec, message", BAD, ids=[s for s, _ in BAD])
+def test_a_bad_block_manager_is_one_line_and_exit_2_before_any_run(capsys, user_dir, spec, message):
+    rc = main(["run", "baseline-clean", "--block-manager", spec, "--report-dir", "r"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
+    assert err.startswith("kvchaos: error: ") and err.count("\n") == 1 and message in err, err
+    assert "Traceback" not in err and not (user_dir / "r").exists()
+
+
+def test_a_module_not_found_says_where_kvchaos_looked_and_what_to_do(user_dir):
+    with pytest.raises(ValueError) as e:
+        validate_manager("bm_nosuch:BM")
+    assert str(user_dir) in str(e.value) and "PYTHONPATH" in str(e.value)
+    assert "run from the folder that holds bm_nosuch" in str(e.value)
+
+
+def test_every_manager_of_the_tests_and_canaries_passes_the_door_but_one():
+    """The door judges whether a manager can be driven, not whether it is right: the bugs the
+    runs are there to catch pass it, except a fork that does not count its holders, which
+    crashes on the smoke sequence's second free."""
+    import inspect
+
+    from kvchaos.harness.tools import canaries
+
+    sys.path.insert(0, str(TESTS))
+    import managers
+
+    refused = []
+    for mod in (managers, canaries):
+        for name, cls in vars(mod).items():
+            if inspect.isclass(cls) and cls.__module__ == mod.__name__ and hasattr(cls, "snapshot"):
+                try:
+                    validate_manager(f"{mod.__name__}:{name}")
+                except ValueError as e:
+                    refused.append((name, str(e)))
+    assert [n for n, _ in refused] == ["ForkNoIncref"], refused
+    assert "free('smoke-b') raised ValueError: decref of free block" in refused[0][1]
+
+
+def test_a_module_of_the_current_directory_is_importable(tmp_path):
+    (tmp_path / "mybm.py").write_text(
+        "from kvchaos.engine.block_manager import BlockManager\n\n"
+        "class MyBM(BlockManager):\n    pass\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(
+        [str(KVCHAOS), "conformance", "--block-manager", "mybm:MyBM", "--examples", "10"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "11 of 11 applicable properties passed" in p.stdout
+
+
+def test_in_pytest_a_bad_block_manager_is_a_usage_error(pytester):
+    pytester.makepyfile(bm_explodes=textwrap.dedent(MODULES["bm_explodes.py"]))
+    pytester.makepyfile(test_mine="def test_mine():\n    pass\n")
+    res = pytester.runpytest_subprocess("--kvchaos-block-manager", "bm_explodes:Explodes")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    err = res.stderr.str()
+    assert "INTERNALERROR" not in err + res.stdout.str() and "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines == [
+        "ERROR: --kvchaos-block-manager: 'bm_explodes:Explodes': calling it on a tiny pool "
+        "(8, 2, 4, 4: num_blocks, block_size, max_num_seqs, max_blocks_per_seq) raised "
+        "RuntimeError: no GPU here"
+    ], err
+
+
+def test_replay_checks_an_overriding_block_manager_first(tmp_path, capsys):
+    from kvchaos.harness.report.render import publish
+
+    r = publish(run_scenario(load_scenario("baseline-clean"), 0, "cpu", tmp_path / "runs"))
+    rc = main(["replay", str(r.run_dir), "--block-manager", "os:path.join"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "'os:path.join': calling it" in err, err
+
+
+@pytest.mark.parametrize("name", ["fork-heavy-clean", "mixed-clean"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_manager_that_shares_only_full_blocks_runs_forks_to_pass(name, seed):
+    """Prefix-cache style: no copy-on-write, so a fork of a partly filled last block is refused;
+    the engine runs that child as a fresh request."""
+    sys.path.insert(0, str(TESTS))
+    r = run_scenario(
+        load_scenario(name), seed, "cpu", None, block_manager_spec="managers:SharesFullBlocksOnly"
+    )
+    assert r.verdict == "PASS", r.summary
+    refused = [e for e in r.events if e.get("kind") == "refusal" and e["data"]["call"] == "fork"]
+    assert refused and not any(e["data"].get("changed") for e in refused)
+    if name == "fork-heavy-clean":  # and the forks of full blocks were shared
+        assert r.results["exercised"]["fork_calls"] > len(refused)
