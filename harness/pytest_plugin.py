@@ -93,6 +93,7 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    _check_flags(config)
     spec = config.getoption("--kvchaos-block-manager", None)
     if spec:  # a bad spec is one usage error, not an ERROR on every item
         from kvchaos.harness.judge.user_code import validate_manager
@@ -103,6 +104,31 @@ def pytest_configure(config) -> None:
             (validate_isolated if isolated else validate_manager)(spec)
         except ValueError as e:
             raise pytest.UsageError(f"--kvchaos-block-manager: {e}") from None
+
+
+def _check_flags(config) -> None:
+    """A bad --kvchaos-* value is one usage error before anything is collected (the checks are
+    imported only when such a flag is given: a session without them imports nothing heavy)."""
+    given = {
+        name: value
+        for name in ("--kvchaos-seeds", "--kvchaos-device", "--kvchaos-timeout")
+        if (value := config.getoption(name, None)) not in (None, "cpu")
+    }
+    if not given:
+        return
+    from kvchaos.engine.errors import KVChaosError
+    from kvchaos.harness.judge import inputs
+
+    checks = {
+        "--kvchaos-seeds": lambda v: inputs.parse_seeds(None, v),
+        "--kvchaos-device": inputs.device,
+        "--kvchaos-timeout": lambda v: inputs.seconds(str(v)),
+    }
+    for name, value in given.items():
+        try:
+            checks[name](value)
+        except (ValueError, KVChaosError) as e:
+            raise pytest.UsageError(f"{name}: {e}") from None
 
 
 def _batch(config) -> str:

@@ -291,3 +291,21 @@ def test_an_index_that_cannot_be_written_fails_no_test(suite):
     res.assert_outcomes(passed=1)
     assert res.ret == 0
     res.stdout.fnmatch_lines(["*kvchaos: could not update*index.html*"])
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--kvchaos-seeds", "1,,2", "entry 2 is empty"),
+        ("--kvchaos-seeds", "0", "the count must be >= 1"),
+        ("--kvchaos-device", "tpu", "expected auto, cpu, cuda or cuda:N"),
+        ("--kvchaos-timeout", "0", "seconds > 0"),
+        ("--kvchaos-timeout", "nan", "seconds > 0"),
+    ],
+)
+def test_a_bad_kvchaos_flag_is_one_usage_error(pytester, flag, value, said):
+    pytester.makepyfile(test_mine="def test_mine():\n    pass\n")
+    res = pytester.runpytest_subprocess(f"{flag}={value}")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    lines = [ln for ln in res.stderr.str().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"ERROR: {flag}: ") and said in lines[0], lines
