@@ -482,3 +482,18 @@ def test_a_live_request_checked_in_pieces_equals_one_whole_check():
         assert got.checked == one.checked == rows.shape[0]
         assert got.max_abs_err == pytest.approx(one.max_abs_err, abs=1e-5)
         assert s.id not in pieces.past  # its last check: the cache is dropped
+
+
+def test_a_live_request_with_nothing_new_costs_no_pass():
+    eng = Driver(make_engine(), make_workload(11, 4, prompt=(1, 30), out=(6, 12))).run()
+    s = next(s for s in eng.engine.seqs.values() if len(eng.logits.get(s.id, [])) >= 6)
+    rows = torch.stack(eng.logits[s.id])
+    oracle = Oracle(eng.engine.model)
+    first = oracle.check_many([(s.id, s.tokens, s.prompt_len, rows[:4])], keep={s.id})[0]
+    passes = []
+    real = oracle._forward
+    oracle._forward = lambda *a: passes.append(1) or real(*a)
+    again = oracle.check_many([(s.id, s.tokens, s.prompt_len, rows[:4])], keep={s.id})[0]
+    assert not passes and (again.checked, again.max_abs_err) == (first.checked, first.max_abs_err)
+    last = oracle.check_many([(s.id, s.tokens, s.prompt_len, rows)])[0]
+    assert passes and last.checked == rows.shape[0] and s.id not in oracle.past

@@ -85,7 +85,11 @@ class Oracle:
             fed = tokens[: prompt_len + rows.shape[0] - 1]
             if past is not None and fed[: len(past.fed)] != past.fed:
                 past = None  # not a prefix of what it fed before: start over
-            if rows.shape[0]:
+            if past is not None and len(fed) == len(past.fed):  # nothing new since: no pass
+                out[i] = OracleResult(req, past.checked, past.max_abs, past.max_rel, None)
+                if req in keep:
+                    self.past[req] = past
+            elif rows.shape[0]:
                 feeds.append((len(fed) - (len(past.fed) if past else 0), i, past))
         group: list = []
         for m, i, past in sorted(feeds, key=lambda f: (f[0], f[1])):
