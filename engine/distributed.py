@@ -118,7 +118,7 @@ class DistEngine(Engine):
         super()._copy_blocks(copies)
 
     def _build_batch(self, decode, prefill):
-        width = self.bm.table.width
+        width = self.table.table.width
         rows, tok, pos = self._batch_inputs(decode, prefill)
         copies, self._copies = self._copies, []
         msg = Batch.pack(

@@ -34,6 +34,7 @@ from kvchaos.engine.scheduler import reserve, schedule
 from kvchaos.engine.seams import Seams
 from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
 from kvchaos.engine.staging import StagingBuffer
+from kvchaos.engine.tables import OwnedTable
 
 
 def _decode_backend(name: str):
@@ -63,6 +64,7 @@ class Engine:
                 "kvchaos.engine.protocols.BlockManagerProtocol"
             )
         self.bm = Boundary(manager)  # every call into the manager recorded and guarded
+        self.table = OwnedTable(self.bm)  # a v1 manager writes the table the kernels read
         self.capabilities = capabilities(manager)
         self.record_writes = False  # the harness asks: blocks written per sequence, each step
         self.written: dict[str, dict[int, set[int]]] = {}  # seq -> block -> ranks writing it
@@ -91,7 +93,7 @@ class Engine:
         ]
         self.ranks = RankGroup(tp, self.device)
         self._pinned = self.device.type == "cuda"
-        self.staging = StagingBuffer(self.bm.table.host_tensor.numel(), self._pinned)
+        self.staging = StagingBuffer(self.table.table.host_tensor.numel(), self._pinned)
         self.seqs: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -141,7 +143,7 @@ class Engine:
                 f"request {request_id!r}: {total} tokens exceed the model's "
                 f"{self.config.model.max_position} positions"
             )
-        bs, table = self.bm.block_size, self.bm.table
+        bs, table = self.bm.block_size, self.table.table
         blocks = -(-total // bs)
         if blocks > self.bm.num_blocks:
             raise RequestRejected(
@@ -151,7 +153,7 @@ class Engine:
             self.counters["overlong_requests"] += 1
         if blocks > table.width and self.seams.admission_check:
             if self.config.cache.overflow_policy == "resize":
-                self.bm.resize_table(width=blocks)
+                self.table.resize(width=blocks)
                 self.counters["table_resizes"] += 1
             else:
                 self.counters["overlong_rejected"] += 1
@@ -188,13 +190,16 @@ class Engine:
         child = Sequence(
             child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id
         )
-        can_share = "fork" in self.capabilities and self.bm.num_free_rows > 0
+        can_share = "fork" in self.capabilities and self.table.num_free_rows > 0
         if parent.state is State.RUNNING and can_share:
             try:
+                self.table.place(child_id)
                 self.bm.fork(parent_id, child_id)
+                self.table.sync(child_id)
                 child.state, child.num_computed = State.RUNNING, parent.num_computed
                 self.running.append(child)
             except OutOfBlocks as no:  # no room to share: the child computes its tokens itself
+                self.table.drop(child_id)
                 self.refused("fork", child_id, 0, no)
         if child.state is State.WAITING:
             self.waiting.append(child)
@@ -232,6 +237,16 @@ class Engine:
         """Every exit path of a sequence that holds blocks comes through here."""
         if self.seams.free_on_exit(seq, reason):
             self.bm.free(seq.id)
+        self.table.drop(seq.id)  # a skipped free leaks blocks; an engine-built row goes anyway
+
+    def snapshot(self):
+        """The manager's snapshot; a table the engine builds replaces its table fields (an owned
+        table is the manager's word about itself, judged as given)."""
+        snap, t = self.bm.snapshot(), self.table
+        if not t.owned:
+            snap.table, snap.table_width = t.table.host.tolist(), t.table.width
+            snap.seq_rows = dict(t.rows)
+        return snap
 
     # -- scheduling ----------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -345,7 +360,7 @@ class Engine:
 
     def _upload_table(self) -> list[int]:
         """host table -> staging -> every rank. Returns the ranks left on an old version."""
-        host = self.bm.table.host_tensor
+        host = self.table.table.host_tensor
         if self.staging.tensor.numel() != host.numel():
             self.staging = StagingBuffer(host.numel(), self._pinned)
         elif self.seams.staging_check and not self.staging.valid():
@@ -361,7 +376,7 @@ class Engine:
             self.counters["rank_sync_waits"] += self.ranks.sync()
         if len(self.ranks.ranks) > 1:  # what each rank computes with vs what the scheduler uploaded
             self._crcs = [r.crc() for r in self.ranks.ranks]
-            self._table_crc = zlib.crc32(memoryview(self.bm.table.host))
+            self._table_crc = zlib.crc32(memoryview(self.table.table.host))
         else:
             self._crcs, self._table_crc = [], 0
         stale = [r for r in self.ranks.ranks if r.version != self.table_version]
@@ -376,7 +391,7 @@ class Engine:
 
     def _batch_inputs(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
         """Each sequence's table row, and the step's token ids and positions (decode first)."""
-        rows = self.bm.rows if hasattr(self.bm, "rows") else self.bm.snapshot().seq_rows
+        rows = self.table.rows
         tok, pos = [], []
         for s in decode:
             tok.append(s.tokens[-1])
@@ -389,7 +404,7 @@ class Engine:
     def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
         """Token ids, positions and, per rank, the slot mapping and attention tables, all read
         through that rank's own copy of the flat table."""
-        bs, width = self.bm.block_size, self.bm.table.width
+        bs, width = self.bm.block_size, self.table.table.width
         rows, tok, pos = self._batch_inputs(decode, prefill)
         dev = self.device
         nt, nd = len(tok), len(decode)
@@ -522,6 +537,7 @@ class Engine:
         for s in list(self.running):
             self.running.remove(s)
             self.bm.free(s.id)
+            self.table.drop(s.id)
             s.state = State.CANCELLED
 
     def __enter__(self) -> "Engine":

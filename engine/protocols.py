@@ -19,43 +19,87 @@ Contract, in words:
   rows * width entries, entry (row, i) at row * width + i, -1 unused), `bound_check`,
   `overflow_writes`. Row r of the table maps sequence `seq_rows[seq]`'s block list.
 - `snapshot()` is read-only and returns a Snapshot.
+
+Protocol v2 (`KVManager`, docs/protocol-v2.md section 1) adds prefix caching: a manager declaring
+`kvchaos_protocol = 2` answers `admit` with the tokens it already holds, is told `release` reasons,
+and may leave the block table to the engine. Everything beyond KVManager's members is optional,
+each behind a capability (the small protocols below).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, TypedDict, runtime_checkable
+
+Reason = Literal["finished", "aborted", "preempted", "error"]
+REASONS: tuple[Reason, ...] = ("finished", "aborted", "preempted", "error")
+
+
+class CacheEntry(TypedDict):
+    """One keyed block of a prefix cache ("cache_state"), free or held."""
+
+    block: int
+    key: str  # key as text: bytes.hex(), else str(); never truncated
+    parent: str | None  # the parent block's key (None: first block)
+    tokens: list[int] | None  # the token ids it is keyed over, when the manager keeps them
 
 
 @dataclass
 class Snapshot:
-    """A read-only picture of a block manager, for checkers. Plain data (JSON-able)."""
+    """A read-only picture of a block manager, for checkers. Plain data (JSON-able). The fields
+    after seq_blocks are optional: a v1 manager fills the table ones, the engine does for a v2
+    manager whose table it builds."""
 
     num_blocks: int
     free: list[int]
     ref_counts: list[int]
     seq_blocks: dict[str, list[int]]
-    seq_rows: dict[str, int]
-    table: list[int]
-    table_width: int
-    # Optional: tokens each sequence has slots for. With it a checker sees a write into a block
-    # that another sequence still shares (a missed copy-on-write); without it, that is not judged.
+    seq_rows: dict[str, int] | None = None
+    table: list[int] | None = None
+    table_width: int | None = None
+    # Tokens each sequence has slots for. With it a checker sees a write into a block that
+    # another sequence still shares (a missed copy-on-write); without it, that is not judged.
     seq_tokens: dict[str, int] | None = None
+    reserved: list[int] | None = None  # the manager's reserved_blocks (v2)
+    cache: list[CacheEntry] | None = None  # "cache_state": every keyed block (v2)
 
     def to_dict(self) -> dict:
         # shallow: snapshot() already hands out fresh lists; optional fields only when given
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-CAPABILITIES = ("fork", "seq_tokens")
+V1_CAPABILITIES = ("fork", "seq_tokens")
+CAPABILITIES = (
+    "fork",
+    "seq_tokens",
+    "prefix_cache",
+    "cache_state",
+    "estimates",
+    "append_decode",
+    "end_step",
+    "own_table",
+)
+
+
+def protocol_version(manager) -> int:
+    """2 for a manager declaring `kvchaos_protocol >= 2`, else 1."""
+    v = getattr(manager, "kvchaos_protocol", 1)
+    return 2 if isinstance(v, int) and not isinstance(v, bool) and v >= 2 else 1
 
 
 def capabilities(manager) -> frozenset[str]:
-    """What a manager offers beyond the core protocol: declared, or inferred from what it has."""
+    """What a manager offers beyond the core protocol: declared, or inferred from what it has.
+    A v1 manager is judged on the v1 names only, exactly as before v2."""
+    v1 = protocol_version(manager) < 2
+    known = frozenset(V1_CAPABILITIES if v1 else CAPABILITIES)
     declared = getattr(manager, "capabilities", None)
     if declared is not None:
-        return frozenset(declared) & frozenset(CAPABILITIES)
-    return frozenset({"fork"} if callable(getattr(manager, "fork", None)) else set())
+        return frozenset(declared) & known
+    if v1:
+        return frozenset({"fork"} if callable(getattr(manager, "fork", None)) else set())
+    # seq_tokens, prefix_cache and cache_state are in what snapshot() returns: declared only
+    return frozenset(name for name, shape in INFERABLE.items() if isinstance(manager, shape))
 
 
 @runtime_checkable
@@ -74,3 +118,84 @@ class BlockManagerProtocol(Protocol):
     def free(self, seq_id: str) -> bool: ...
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None: ...
     def snapshot(self) -> Snapshot: ...
+
+
+@runtime_checkable
+class KVManager(Protocol):
+    """Protocol v2. Declare `kvchaos_protocol = 2`; everything not below is optional."""
+
+    kvchaos_protocol: int  # 2
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int: ...  # every id, reserved ones included (sizes the KV pool)
+    @property
+    def num_free_blocks(self) -> int: ...  # usable ids with ref 0 (cached-but-free count as free)
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], num_new_tokens: int, max_computed: int
+    ) -> int:
+        """Start seq_id whose known tokens are token_ids (prompt; prompt + output when readmitted
+        after preemption). Reuse the longest cached prefix, h <= max_computed tokens (any h, not
+        only whole blocks), and reserve slots for min(num_new_tokens, len(token_ids) - h) tokens
+        after it. Returns h (0 without a cache). Atomic: OutOfBlocks changes nothing."""
+        ...
+
+    def append(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Reserve slots for these tokens, next in order (a prefill chunk, or the token generated
+        last step). Returns (src, dst) copies to apply before the step (copy-on-write). Atomic."""
+        ...
+
+    def block_ids(self, seq_id: str) -> Sequence[int]:
+        """Its blocks in logical order (entry i holds positions i*bs ..). May be a live view;
+        the engine never mutates it. Entries change only by growth or by a reported copy."""
+        ...
+
+    def release(self, seq_id: str, reason: Reason) -> bool:
+        """Give back everything seq_id holds. Idempotent: unknown id -> False. 'error': the step
+        that reserved its last slots did not run; keys over those slots must not be served."""
+        ...
+
+    def snapshot(self) -> Snapshot: ...
+
+
+# The optional members of a v2 manager, one protocol per capability it may infer from. Also
+# optional, not inferred: `reserved_blocks: tuple[int, ...]` (ids never handed out, vLLM's (0,))
+# and `capabilities: frozenset[str]`.
+@runtime_checkable
+class Estimates(Protocol):  # "estimates": for sequences the manager knows only
+    def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int: ...
+
+
+@runtime_checkable
+class AppendDecode(Protocol):  # "append_decode": append(s, [t]) for every s, batched
+    def append_decode(
+        self, seq_ids: Sequence[str], token_ids: Sequence[int]
+    ) -> list[tuple[int, int]]: ...
+
+
+@runtime_checkable
+class Fork(Protocol):  # "fork": child shares every block of parent
+    def fork(self, parent_id: str, child_id: str) -> None: ...
+
+
+@runtime_checkable
+class EndStep(Protocol):  # "end_step": tokens now computed per sequence, after each forward
+    def end_step(self, computed: dict[str, int]) -> None: ...
+
+
+@runtime_checkable
+class OwnTable(Protocol):  # "own_table": the manager writes the table (as every v1 manager)
+    table: object  # rows: dict[str, int] optional (else snapshot().seq_rows)
+
+    @property
+    def num_free_rows(self) -> int: ...
+    def resize_table(self, rows: int | None = None, width: int | None = None) -> None: ...
+
+
+INFERABLE = {
+    "fork": Fork,
+    "estimates": Estimates,
+    "append_decode": AppendDecode,
+    "end_step": EndStep,
+    "own_table": OwnTable,
+}

@@ -37,7 +37,7 @@ def schedule(engine) -> tuple[list, list, list[str]]:
                 prefill.append((s, n))
                 budget -= n
                 free -= need
-    rows = bm.num_free_rows
+    rows = engine.table.num_free_rows
     while engine.waiting and budget > 0 and rows > 0:
         s = engine.waiting[0]
         n = min(s.uncomputed, budget)

@@ -64,7 +64,7 @@ class OrderingRace(Fault):
         ranks = output.stats.stale_tables
         if ranks:
             live = sorted({s.id for s in engine.running} | set(output.finished))
-            snap = engine.bm.snapshot()  # stale writes may land in any block held then
+            snap = engine.snapshot()  # stale writes may land in any block held then
             self.touch(blocks={b for bs in snap.seq_blocks.values() for b in bs})
             self.stale_reads += 1
             self.stale.append({"step": step, "ranks": ranks, "requests": live})
@@ -75,7 +75,7 @@ class OrderingRace(Fault):
         # a fork made now shares blocks written on a stale table, and may be done within the
         # step; a block handed out fresh is written by its new owner before it is read
         if self.stale:
-            self._holders(engine.bm.snapshot())
+            self._holders(engine.snapshot())
 
     def _holders(self, snap) -> None:
         """Whoever holds a block written on a stale table since (a fork, a reuse) is touched."""

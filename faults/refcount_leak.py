@@ -54,14 +54,14 @@ class RefcountLeak(Fault):
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
         self.leaked: list[dict] = []
-        bm, paths, frac, rng = engine.bm, set(self.p["paths"]), self.p["fraction"], self.rng
+        paths, frac, rng = set(self.p["paths"]), self.p["fraction"], self.rng
 
         def free_on_exit(seq, reason: str) -> bool:
             """The trigger is a cancel on one of the paths of a request holding blocks; with the
             defect planted, that cancel skips the free; else the free happens (remediation)."""
             if reason != "cancel":
                 return True
-            snap = bm.snapshot()  # once per cancel: the protocol's only view of ref counts
+            snap = engine.snapshot()  # once per cancel: the protocol's only view of ref counts
             blocks = snap.seq_blocks.get(seq.id, [])
             shared = any(snap.ref_counts[b] > 1 for b in blocks)
             path = "shared" if shared else seq.phase

@@ -90,8 +90,8 @@ class TableOverflow(Fault):
         super().arm(engine, emit)
         if self.defect:
             engine.seams.admission_check = False
-            engine.bm.table.bound_check = False
-        self._seen = self._looked = engine.bm.table.overflow_writes
+            engine.table.table.bound_check = False
+        self._seen = self._looked = engine.table.table.overflow_writes
         self.overflowing: dict[str, int] = {}  # request -> its row, for requests that overflowed
         self._counts = {k: engine.counters[k] for k in ("overlong_requests", *REMEDIES)}
         upload = engine.seams.on_upload
@@ -107,7 +107,7 @@ class TableOverflow(Fault):
         every request that has held one of those rows or blocks since (a spilled entry stays in
         the row for its next owner, and sends that owner's writes into the named block, whoever
         holds it by then)."""
-        table = engine.bm.table
+        table = engine.table.table
         n = table.overflow_writes
         new = table.overflow_log[self._looked : n]
         self._looked = n
@@ -115,7 +115,7 @@ class TableOverflow(Fault):
         self.touch(rows=rows, blocks={b for _, _, b in new})
         if not self.touched["rows"]:
             return
-        snap, w = engine.bm.snapshot(), table.width
+        snap, w = engine.snapshot(), table.width
         owner = {row: req for req, row in snap.seq_rows.items()}
         self.overflowing.update({owner[r]: r for r, _, _ in new if r in owner})
         for req, row in self.overflowing.items():  # the entries it addresses past its row, today
@@ -133,7 +133,7 @@ class TableOverflow(Fault):
             self.trigger(step)  # a request longer than a row reached admission
         self.remediated += sum(c[k] - self._counts[k] for k in REMEDIES)
         self._counts = {k: c[k] for k in self._counts}
-        table = engine.bm.table
+        table = engine.table.table
         n = table.overflow_writes
         if n > self._seen:
             self._who(engine)  # a step that uploaded nothing

@@ -100,6 +100,9 @@ def test_a_module_not_found_says_where_kvchaos_looked_and_what_to_do(user_dir):
     assert "run from the folder that holds bm_nosuch" in str(e.value)
 
 
+BUILT_TO_FAIL = {"HangsWhenBuilt", "ExitsWhenBuilt"}  # tests/test_isolation.py's
+
+
 def test_every_manager_of_the_tests_and_canaries_passes_the_door_but_one():
     """The door judges whether a manager can be driven, not whether it is right: the bugs the
     runs are there to catch pass it, except a fork that does not count its holders, which
@@ -114,6 +117,8 @@ def test_every_manager_of_the_tests_and_canaries_passes_the_door_but_one():
     refused = []
     for mod in (managers, canaries):
         for name, cls in vars(mod).items():
+            if name in BUILT_TO_FAIL:  # they hang or end the process at the door, on purpose
+                continue
             if inspect.isclass(cls) and cls.__module__ == mod.__name__ and hasattr(cls, "snapshot"):
                 try:
                     validate_manager(f"{mod.__name__}:{name}")
