@@ -39,6 +39,12 @@ def estimate(sc) -> list[Part]:
     weights = (2 * m.vocab_size * hid + m.num_layers * per_layer + hid) * m.dtype_bytes
     # the longest context a request can reach, in whole blocks (decode gathers whole blocks)
     ctx = _longest(w.prompt_len) + _longest(w.output_len) + w.fork_extra_tokens
+    requests = w.num_requests + w.fork_groups
+    if w.prefix:  # a prefix before the prompt, whole blocks with segments; samples and turns
+        pre = w.prefix
+        ctx += _longest(pre.prefix_len) + 2 * c.block_size
+        ctx += pre.turns * (_longest(pre.turn_len) + _longest(w.output_len))
+        requests += w.num_requests * (pre.samples - 1 + pre.turns)
     ctx_blocks = min(c.max_blocks_per_seq, -(-ctx // c.block_size))
     per_token_layer = m.kv_bytes_per_token() // m.num_layers
     decode = c.max_num_seqs * ctx_blocks * c.block_size * per_token_layer
@@ -46,7 +52,6 @@ def estimate(sc) -> list[Part]:
     oracle = c.max_num_seqs * min(ctx, c.max_tokens_per_seq) * m.kv_bytes_per_token()
     table = c.max_num_seqs * c.max_blocks_per_seq
     # max_steps is a cap, not a plan: a run stops when its requests are done (or starve)
-    requests = w.num_requests + w.fork_groups
     steps = min(
         sc.run.max_steps,
         int(w.num_requests / w.arrival_rate) + requests * ctx + sc.run.liveness_bound_steps,

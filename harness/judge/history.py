@@ -4,7 +4,8 @@ checking, so a stored run can be re-checked without re-running it.
 Every event has "e" (its kind) and "step" (the engine step it belongs to; 0 before the first).
 Kinds and their fields:
   run_start  scenario, seed, config, config_hash, commit, device, time
-  submit     req, prompt_len, max_new, parent (fork source or null)
+  submit     req, prompt_len, max_new, parent (fork source or null), turn_of (a turn only: the
+             request whose prompt and output its prompt continues)
   reject     req, error ("InvalidRequest" | "RequestRejected"), message
   cancel     req, phase (waiting | prefill | decode | preempted), shared (held a block also held by
              another sequence), blocks (the blocks it held)

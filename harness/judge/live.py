@@ -61,7 +61,9 @@ class LiveRun:
         )
         self.oracle = Oracle(self.engine.model)
         self.faults = [make_fault(f.name, f.defect, f.params, seed) for f in sc.faults]
-        self.plan = build_plan(sc.workload, self.cfg.model.vocab_size, seed)
+        self.plan = build_plan(
+            sc.workload, self.cfg.model.vocab_size, seed, self.cfg.cache.block_size
+        )
         for f in self.faults:
             f.shape(self.plan, self.cfg)
         self.actions = self.plan.by_step()
@@ -84,7 +86,7 @@ class LiveRun:
     def snapshot(self, step: int) -> None:
         e = self.engine
         self.snapped = step
-        snap = e.bm.snapshot()
+        snap = e.snapshot()
         wrong = problem(snap, e, self.cfg.cache.num_blocks)
         if wrong:  # the manager's word fails its own shape or the harness's record: a finding
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
@@ -152,61 +154,76 @@ class LiveRun:
         if seq is None:
             return None
         if seq.state is State.RUNNING:
-            snap = self.engine.bm.snapshot()
+            snap = self.engine.snapshot()
             blocks = snap.seq_blocks.get(req, [])
             if any(snap.ref_counts[b] > 1 for b in blocks):
                 return "shared"
         return seq.phase
 
+    def _waits(self, a) -> bool | None:
+        """True: a waits for its target's phase; None: drop it; False: do it now. A fork or
+        cancel of an ended request is dropped; a turn, or a submit `after` one, goes ahead."""
+        target = a.req if a.op == "cancel" else a.after if a.op == "submit" else a.parent
+        if target is None:
+            return False
+        seq = self.engine.seqs.get(target)
+        if seq is None:
+            if target not in self.rejected:
+                return True  # not submitted yet
+            if a.op == "turn":  # nothing to continue: its own turns are dropped after it
+                self.rejected.add(a.req)
+            return False if a.op == "submit" else None
+        if seq.done:
+            return False if a.op in ("submit", "turn") else None
+        if a.when is not None:
+            phase = self._phase(target)
+            return phase != a.when and not (a.when == "decode" and phase == "shared")
+        return False
+
+    def _continued(self, a) -> list[int]:
+        """The planned prompt of a fork's child or a conversation's next turn: the parent's
+        planned prompt, its generated tokens (which the parent's own check verifies), then the
+        action's own new tokens."""
+        parent = self.engine.seqs[a.parent]
+        return (
+            self.planned.get(a.parent, parent.tokens[: parent.prompt_len])
+            + parent.tokens[parent.prompt_len :]
+            + list(a.prompt)
+        )
+
+    def _submitted(self, a, step: int, prompt_len: int, **links) -> None:
+        self.h.append(
+            {
+                "e": "submit",
+                "step": step,
+                "req": a.req,
+                "prompt_len": prompt_len,
+                "max_new": a.max_new,
+                **links,
+                "origin": a.origin,
+            }
+        )
+
     def _do(self, a, step: int) -> bool:
         """Apply an action; False if it must wait (phase not reached yet)."""
         e = self.engine
-        if a.op != "submit":
-            target = a.req if a.op == "cancel" else a.parent
-            seq = e.seqs.get(target)
-            if seq is None:
-                return target in self.rejected  # not submitted yet: wait; rejected: drop
-            if seq.done:
-                return True  # it ended first: nothing to do
-            if a.when is not None:
-                phase = self._phase(target)
-                if phase != a.when and not (a.when == "decode" and phase == "shared"):
-                    return False
+        waits = self._waits(a)
+        if waits is None:
+            return True
+        if waits:
+            return False
         try:
             if a.op == "submit":
                 e.add_request(a.req, a.prompt, a.max_new)
-                self.h.append(
-                    {
-                        "e": "submit",
-                        "step": step,
-                        "req": a.req,
-                        "prompt_len": len(a.prompt),
-                        "max_new": a.max_new,
-                        "parent": None,
-                        "origin": a.origin,
-                    }
-                )
+                self._submitted(a, step, len(a.prompt), parent=None)
             elif a.op == "fork":
-                parent = e.seqs[a.parent]
-                # the child continues the parent's planned prompt, its generated tokens (which the
-                # parent's own check verifies) and its own extra tokens
-                self.planned[a.req] = (
-                    self.planned.get(a.parent, parent.tokens[: parent.prompt_len])
-                    + parent.tokens[parent.prompt_len :]
-                    + list(a.prompt)
-                )
+                self.planned[a.req] = self._continued(a)
                 e.fork(a.parent, a.req, a.max_new, a.prompt)
-                self.h.append(
-                    {
-                        "e": "submit",
-                        "step": step,
-                        "req": a.req,
-                        "prompt_len": len(e.seqs[a.req].tokens),
-                        "max_new": a.max_new,
-                        "parent": a.parent,
-                        "origin": a.origin,
-                    }
-                )
+                self._submitted(a, step, len(e.seqs[a.req].tokens), parent=a.parent)
+            elif a.op == "turn":
+                self.planned[a.req] = self._continued(a)
+                e.add_request(a.req, e.seqs[a.parent].tokens + list(a.prompt), a.max_new)
+                self._submitted(a, step, len(e.seqs[a.req].tokens), parent=None, turn_of=a.parent)
             elif a.op == "cancel":
                 seq = e.seqs.get(a.req)
                 if seq is None or seq.done:
@@ -218,7 +235,7 @@ class LiveRun:
                     self._phase(a.req),
                     seq.phase,
                 )  # before the cancel makes it "cancelled"
-                snap = e.bm.snapshot()
+                snap = e.snapshot()
                 blocks = snap.seq_blocks.get(a.req, [])
                 e.cancel(a.req)
                 self.h.append(

@@ -101,6 +101,27 @@ class CancelSpec(_Strict):
     storm_fraction: float = Field(1.0, ge=0.0, le=1.0)
 
 
+class PrefixSpec(_Strict):
+    """Prompts sharing prefixes (system prompts, few-shot templates, conversations, samples)."""
+
+    groups: int = Field(4, ge=0, le=1024)  # distinct shared prefixes
+    prefix_len: LengthDist = LengthDist(dist="uniform", min=16, max=64)
+    # requests starting with one group's prefix (the default judged too: groups = 0 needs 0)
+    share: float = Field(0.8, ge=0.0, le=1.0, validate_default=True)
+    repeat: float = Field(0.0, ge=0.0, le=1.0)  # requests repeating an earlier prompt exactly
+    samples: int = Field(1, ge=1, le=64)  # n-1 more requests, same prompt, once the first decodes
+    turns: int = Field(0, ge=0, le=64)  # follow-up turns, each after the previous one finished
+    turn_len: LengthDist = LengthDist(dist="uniform", min=4, max=16)  # a turn's new user tokens
+    segments: int = Field(0, ge=0, le=4096)  # > 0: prompts of block-aligned shared segments
+
+    @field_validator("share")
+    @classmethod
+    def _share(cls, share: float, info: ValidationInfo) -> float:
+        if share > 0 and info.data.get("groups") == 0:
+            raise ValueError(f"share {share} needs groups >= 1 (the prefixes to share)")
+        return share
+
+
 class Workload(_Strict):
     num_requests: int = Field(16, ge=0)
     arrival_rate: float = Field(1.0, gt=0.0)  # mean requests per step (Poisson)
@@ -110,6 +131,7 @@ class Workload(_Strict):
     fork_groups: int = Field(0, ge=0)  # requests forked from a running parent, sharing its prefix
     fork_extra_tokens: int = Field(4, ge=0)
     cancel: CancelSpec = CancelSpec()
+    prefix: PrefixSpec | None = None  # absent: no shared prefixes
 
 
 class FaultSpec(_Strict):

@@ -1,5 +1,6 @@
-"""Seeded workloads: arrivals, prompt and output lengths, shared-prefix forks, cancel schedules.
-The same seed gives the same plan. Faults add their triggers to the plan before the run."""
+"""Seeded workloads: arrivals, prompt and output lengths, shared-prefix forks, cancel schedules,
+prompts sharing prefixes ([workload.prefix]). The same seed gives the same plan. Faults add their
+triggers to the plan before the run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import random
 
 from kvchaos.faults.plan import Action, Plan
-from kvchaos.harness.judge.scenario import LengthDist, Workload, read_lengths
+from kvchaos.harness.judge.scenario import LengthDist, PrefixSpec, Workload, read_lengths
 
 
 def sample_length(d: LengthDist, rng: random.Random) -> int:
@@ -23,9 +24,68 @@ def sample_length(d: LengthDist, rng: random.Random) -> int:
     return max(d.min, min(d.max, int(round(x))))
 
 
-def build_plan(w: Workload, vocab: int, seed: int) -> Plan:
+class SharedPrompts:
+    """Prompts of a [workload.prefix]: a group's prefix (or an earlier prompt repeated) before the
+    request's own tokens; then its samples and turns. Its own random stream, so a plan without
+    the section draws exactly what it always did."""
+
+    def __init__(self, spec: PrefixSpec, plan: Plan, w: Workload, seed: int, block_size: int):
+        self.spec, self.plan, self.w, self.bs = spec, plan, w, block_size
+        self.rng = random.Random(f"{seed}/prefix")
+        self.segments = [plan.prompt(block_size, self.rng) for _ in range(spec.segments)]
+        self.prefixes = [
+            self._tokens(sample_length(spec.prefix_len, self.rng)) for _ in range(spec.groups)
+        ]
+        self.prompts: list[list[int]] = []  # every base request's prompt, for repeats
+
+    def _tokens(self, n: int) -> list[int]:
+        """n random tokens; with segments, whole blocks drawn from the shared segments."""
+        if not self.spec.segments:
+            return self.plan.prompt(n, self.rng)
+        return [t for _ in range(-(-n // self.bs)) for t in self.rng.choice(self.segments)]
+
+    def prompt(self, own: int) -> list[int]:
+        rng, spec = self.rng, self.spec
+        if self.prompts and rng.random() < spec.repeat:
+            p = list(rng.choice(self.prompts))
+        elif spec.groups and rng.random() < spec.share:
+            p = self.prefixes[rng.randrange(spec.groups)] + self._tokens(own)
+        else:
+            p = self._tokens(own)
+        self.prompts.append(p)
+        return p
+
+    def follow(self, a: Action) -> None:
+        """a's samples (same prompt, once a decodes) and turns (each after the last finished)."""
+        spec, rng, out = self.spec, self.rng, self.w.output_len
+        for k in range(1, spec.samples):
+            o = sample_length(out, rng)
+            self.plan.add(
+                Action(
+                    a.step, "submit", f"{a.req}s{k}", list(a.prompt), o, when="decode", after=a.req
+                )
+            )
+        prev = a.req
+        for k in range(1, spec.turns + 1):
+            new = self.plan.prompt(sample_length(spec.turn_len, rng), rng)
+            turn = Action(
+                a.step + k,
+                "turn",
+                f"{a.req}t{k}",
+                new,
+                sample_length(out, rng),
+                parent=prev,
+                when="finished",
+            )
+            self.plan.add(turn)
+            prev = turn.req
+
+
+def build_plan(w: Workload, vocab: int, seed: int, block_size: int = 16) -> Plan:
+    """block_size: the engine's (segments of a prefix workload are whole blocks)."""
     rng = random.Random(f"{seed}/workload")
     plan = Plan(vocab, rng)
+    shared = SharedPrompts(w.prefix, plan, w, seed, block_size) if w.prefix else None
     lengths = read_lengths(w.lengths_file) if w.lengths_file else None
     n = len(lengths) if lengths else w.num_requests
     t = 1.0
@@ -37,9 +97,11 @@ def build_plan(w: Workload, vocab: int, seed: int) -> Plan:
             if lengths
             else (sample_length(w.prompt_len, rng), sample_length(w.output_len, rng))
         )
-        a = Action(int(t), "submit", f"r{i}", plan.prompt(p), o)
+        a = Action(int(t), "submit", f"r{i}", shared.prompt(p) if shared else plan.prompt(p), o)
         plan.add(a)
         submitted.append(a)
+        if shared:
+            shared.follow(a)
     for g in range(min(w.fork_groups, len(submitted))):
         parent = submitted[rng.randrange(len(submitted))]
         plan.add(

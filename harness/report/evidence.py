@@ -12,12 +12,17 @@ EVIDENCE_MAX = 12  # evidence entries shown per incident
 
 def plan_line(a: dict) -> str:
     what = f"{a['op']} {a['req']}"
-    if a["op"] in ("submit", "fork"):
+    if a["op"] == "turn":  # its prompt: the previous turn's prompt and output, then these
+        what += f" ({a['prompt_len']} tokens after {a['parent']}'s, up to {a['max_new']} new)"
+    elif a["op"] in ("submit", "fork"):
         what += f" (prompt {a['prompt_len']} tokens, up to {a['max_new']} new)"
-    if a.get("parent"):
+    if a.get("parent") and a["op"] != "turn":
         what += f" from {a['parent']}"
-    if a.get("when"):
-        what += f" when it is in phase {a['when']}"
+    target = a.get("after") or a.get("parent") or "it"
+    if a.get("when") == "finished":
+        what += f" once {target} has finished"
+    elif a.get("when"):
+        what += f" when {target} is in phase {a['when']}"
     return f"{what} at step {a['step']}"
 
 
