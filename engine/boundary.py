@@ -4,7 +4,9 @@ Every call into the manager goes through here. The call in progress is recorded 
 (a hang or a process death can then name it), and an exception escaping it becomes ManagerError,
 naming the call and its arguments: a finding against the manager, never the harness's own ERROR.
 A refusal (OutOfBlocks, "no room") is an answer, not a crash: it passes through unchanged for the
-engine to schedule around."""
+engine to schedule around. A v2 manager's answers are checked too (ANSWERS): a malformed one is a
+ManagerError (BadAnswer) like an exception. A v1 manager's Boundary keeps the v1 calls and records;
+V1Shim (engine/compat.py) speaks v2 over it."""
 
 from __future__ import annotations
 
@@ -13,8 +15,25 @@ import traceback
 from kvchaos.engine.errors import KVChaosError, OutOfBlocks
 
 CALLS = ("blocks_needed", "append", "append_decode", "fork", "free", "resize_table", "snapshot")
+# Protocol v2 (a v1 manager keeps CALLS: V1Shim speaks v2 on its Boundary's behalf)
+CALLS_V2 = (
+    "admit",
+    "append",
+    "append_decode",
+    "block_ids",
+    "blocks_needed",
+    "fork",
+    "release",
+    "end_step",
+    "resize_table",
+    "snapshot",
+)
 PROPERTIES = ("num_blocks", "num_free_blocks", "num_free_rows")
 LOW_POOL_BLOCKS = 16  # at or below this many free blocks a refusal is plausible: snapshot first
+
+
+class BadAnswer(ValueError):
+    """A call into the block manager returned, but not an answer the protocol allows."""
 
 
 class ManagerError(KVChaosError):
@@ -23,7 +42,8 @@ class ManagerError(KVChaosError):
     def __init__(self, call: str, args: tuple, error: BaseException) -> None:
         self.call, self.args_, self.error = call, args, error
         self.traceback = "".join(traceback.format_exception(error))
-        super().__init__(f"{describe(call, args)} raised {type(error).__name__}: {error}")
+        what = "" if isinstance(error, BadAnswer) else f"raised {type(error).__name__}: "
+        super().__init__(f"{describe(call, args)} {what}{error}")
 
 
 def state_change(before, after) -> str | None:
@@ -57,6 +77,44 @@ def state_change(before, after) -> str | None:
     return "; ".join(out) or None
 
 
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_admit(h, seq_id, token_ids, *_) -> None:
+    if not _int(h) or not 0 <= h <= len(token_ids):
+        raise BadAnswer(f"answered {h!r}: computed tokens must be an int in [0, {len(token_ids)}]")
+
+
+def _check_copies(copies, *_) -> None:
+    if not isinstance(copies, (list, tuple)) or not all(
+        isinstance(c, (list, tuple)) and len(c) == 2 and _int(c[0]) and _int(c[1]) for c in copies
+    ):
+        raise BadAnswer(f"answered {copies!r}: copies must be a list of (src, dst) block ids")
+
+
+def _check_block_ids(ids, *_) -> None:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise BadAnswer(f"answered {ids!r}: block ids must be a sequence of ints")
+    if not all(_int(b) for b in ids):
+        raise BadAnswer(f"answered {list(ids)!r}: block ids must be ints")
+
+
+def _check_release(freed, *_) -> None:
+    if not isinstance(freed, bool):
+        raise BadAnswer(f"answered {freed!r}: release answers True or False")
+
+
+# What a v2 answer must be (a malformed one is a ManagerError: the manager's bug)
+ANSWERS = {
+    "admit": _check_admit,
+    "append": _check_copies,
+    "append_decode": _check_copies,
+    "block_ids": _check_block_ids,
+    "release": _check_release,
+}
+
+
 def describe(call: str, args: tuple) -> str:
     shown = ", ".join(repr(a) if not isinstance(a, list) or len(a) < 9 else "[...]" for a in args)
     return f"{call}({shown})"
@@ -70,18 +128,20 @@ class Boundary:
     # or ended the process. None (the default) costs one attribute read per call.
     watch = None
 
-    def __init__(self, manager) -> None:
+    def __init__(self, manager, calls: tuple[str, ...] = CALLS) -> None:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
-        object.__setattr__(self, "calls", dict.fromkeys(CALLS, 0))  # calls made, by name
+        object.__setattr__(self, "calls", dict.fromkeys(calls, 0))  # calls made, by name
         object.__setattr__(self, "refusals", 0)
-        for name in CALLS:
+        object.__setattr__(self, "validate", calls is CALLS_V2)  # v2 answers are checked
+        for name in calls:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
 
     def _guard(self, name: str, fn):
         calls = self.calls
-        grows = name in ("append", "append_decode", "fork")
+        grows = name in ("admit", "append", "append_decode", "fork")
+        check = ANSWERS.get(name) if self.validate else None
 
         def call(*args, **kw):
             calls[name] += 1
@@ -91,6 +151,8 @@ class Boundary:
             try:
                 before = self._before_growth() if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
+                if check is not None:
+                    check(out, *args)
             except OutOfBlocks as refusal:
                 if grows:  # a refusal must change nothing
                     refusal.changed = self._changed_by_refusal(before)

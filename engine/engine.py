@@ -15,26 +15,34 @@ from collections import deque
 
 import torch
 
-from kvchaos.engine.attention import (
-    DecodePlan,
-    decode_blocks,
-    decode_mask,
-    paged_decode_torch,
-    paged_prefill_torch,
-    write_kv,
-)
+from kvchaos.engine.attention import paged_decode_torch
+from kvchaos.engine.batch import BatchBuilder
 from kvchaos.engine.block_manager import BlockManager
-from kvchaos.engine.boundary import Boundary
+from kvchaos.engine.boundary import CALLS_V2, Boundary
+from kvchaos.engine.compat import as_v2
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
 from kvchaos.engine.model import Model
-from kvchaos.engine.protocols import BlockManagerProtocol, capabilities
+from kvchaos.engine.protocols import (
+    BlockManagerProtocol,
+    KVManager,
+    capabilities,
+    protocol_version,
+)
 from kvchaos.engine.ranks import RankGroup
 from kvchaos.engine.scheduler import reserve, schedule
 from kvchaos.engine.seams import Seams
 from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
 from kvchaos.engine.staging import StagingBuffer
-from kvchaos.engine.tables import OwnedTable
+from kvchaos.engine.tables import BuiltTable, OwnedTable
+
+# The seams' names for a sequence's exits (faults key on them) -> the v2 release reasons
+RELEASE_REASONS = {
+    "finish": "finished",
+    "cancel": "aborted",
+    "preempt": "preempted",
+    "error": "error",
+}
 
 
 def _decode_backend(name: str):
@@ -45,9 +53,9 @@ def _decode_backend(name: str):
     return paged_decode_torch
 
 
-class Engine:
+class Engine(BatchBuilder):
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManagerProtocol | None = None
+        self, config: EngineConfig, block_manager: BlockManagerProtocol | KVManager | None = None
     ) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -58,14 +66,34 @@ class Engine:
             if block_manager is not None
             else BlockManager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
         )
-        if not isinstance(manager, BlockManagerProtocol):
+        self.protocol = protocol_version(manager)
+        shape = KVManager if self.protocol >= 2 else BlockManagerProtocol
+        if not isinstance(manager, shape):
             raise TypeError(
-                f"{type(manager).__name__} does not implement "
-                "kvchaos.engine.protocols.BlockManagerProtocol"
+                f"{type(manager).__name__} does not implement kvchaos.engine.protocols."
+                f"{shape.__name__}"
             )
-        self.bm = Boundary(manager)  # every call into the manager recorded and guarded
-        self.table = OwnedTable(self.bm)  # a v1 manager writes the table the kernels read
-        self.capabilities = capabilities(manager)
+        # Every call into the manager recorded and guarded; the engine speaks v2 (a v1 manager
+        # through V1Shim, which calls its Boundary in v1 terms: its record is as it always was).
+        if self.protocol >= 2:
+            self.bm, self.offers = Boundary(manager, CALLS_V2), capabilities(manager)
+        else:
+            self.bm = as_v2(manager, Boundary(manager))
+            self.offers = self.bm.capabilities
+        self.capabilities = capabilities(manager)  # the manager's own (run records)
+        self.table = (
+            OwnedTable(self.bm)  # the manager writes the table the kernels read
+            if "own_table" in self.offers
+            else BuiltTable(
+                self.bm,
+                cc.max_num_seqs,
+                cc.max_blocks_per_seq,
+                lambda kind, data: self.seams.on_event(kind, data),
+            )
+        )
+        # planning asks the manager's estimate; v2 managers only about sequences they hold
+        self._estimates = "estimates" in self.offers
+        self._estimates_unseen = getattr(self.bm, "estimates_unseen", False)
         self.record_writes = False  # the harness asks: blocks written per sequence, each step
         self.written: dict[str, dict[int, set[int]]] = {}  # seq -> block -> ranks writing it
         self.seams = Seams()
@@ -197,6 +225,7 @@ class Engine:
                 self.bm.fork(parent_id, child_id)
                 self.table.sync(child_id)
                 child.state, child.num_computed = State.RUNNING, parent.num_computed
+                child.holds = True
                 self.running.append(child)
             except OutOfBlocks as no:  # no room to share: the child computes its tokens itself
                 self.table.drop(child_id)
@@ -226,17 +255,27 @@ class Engine:
         A refusal must change nothing: what it changed all the same goes in the event."""
         # a fork asks for no new slots; growth asks the manager's own estimate
         free = self.bm.num_free_blocks
-        needed = self.bm.blocks_needed(seq_id, tokens) if tokens else 0
+        needed = self.estimate(self.seqs[seq_id], tokens) if tokens else 0
         self.counters["refusals"] += 1
         self.counters["refusals_with_room"] += free >= needed
         data = {"call": call, "seq": seq_id, "tokens": tokens, "free": free, "needed": needed}
         changed = getattr(refusal, "changed", None)
         self.seams.on_event("refusal", {**data, "changed": changed} if changed else data)
 
-    def _release(self, seq: Sequence, reason: str) -> None:
-        """Every exit path of a sequence that holds blocks comes through here."""
-        if self.seams.free_on_exit(seq, reason):
-            self.bm.free(seq.id)
+    def estimate(self, seq: Sequence, n: int) -> int:
+        """Free blocks n more tokens of seq should take: the manager's estimate where it gives
+        one, else the blocks those positions add (the engine never asks about an unseen id)."""
+        if self._estimates and (seq.holds or self._estimates_unseen):
+            return self.bm.blocks_needed(seq.id, n)
+        bs, held = self.bm.block_size, seq.num_computed if seq.holds else 0
+        return -(-(held + n) // bs) - -(-held // bs)
+
+    def _release(self, seq: Sequence, why: str) -> None:
+        """Every exit path of a sequence that holds blocks comes through here. why: the seam's
+        name (finish, cancel, preempt, error); the manager is told the v2 reason."""
+        if self.seams.free_on_exit(seq, why):
+            self.bm.release(seq.id, RELEASE_REASONS[why])
+        seq.holds = False
         self.table.drop(seq.id)  # a skipped free leaks blocks; an engine-built row goes anyway
 
     def snapshot(self):
@@ -249,9 +288,9 @@ class Engine:
         return snap
 
     # -- scheduling ----------------------------------------------------------------------
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, why: str = "preempt") -> None:
         self.running.remove(seq)
-        self._release(seq, "preempt")
+        self._release(seq, why)
         seq.state, seq.num_computed = State.PREEMPTED, 0
         self.waiting.appendleft(seq)
         self.counters["preemptions"] += 1
@@ -299,15 +338,18 @@ class Engine:
                     hidden[: len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]
                 )
         except BaseException:
-            # Leave nothing half-done: the step's sequences give their blocks back and recompute.
+            # Leave nothing half-done: the step's sequences give their blocks back ("error": the
+            # step that reserved their last slots did not run) and recompute.
             for s in scheduled:
                 if s.state is State.RUNNING and s in self.running:
-                    self._preempt(s)
+                    self._preempt(s, "error")
             raise
         for s in decode:
             s.num_computed += 1
         for s, n in prefill:
             s.num_computed += n
+        if "end_step" in self.offers:
+            self.bm.end_step({s.id: s.num_computed for s in (*decode, *(p for p, _ in prefill))})
         out_tokens, out_logits, finished = {}, {}, []
         if emit:
             logits_cpu = logits.cpu()
@@ -389,145 +431,6 @@ class Engine:
         ]
         return [r.index for r in stale]
 
-    def _batch_inputs(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
-        """Each sequence's table row, and the step's token ids and positions (decode first)."""
-        rows = self.table.rows
-        tok, pos = [], []
-        for s in decode:
-            tok.append(s.tokens[-1])
-            pos.append(s.num_computed)
-        for s, n in prefill:
-            tok += s.tokens[s.num_computed : s.num_computed + n]
-            pos += range(s.num_computed, s.num_computed + n)
-        return rows, tok, pos
-
-    def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
-        """Token ids, positions and, per rank, the slot mapping and attention tables, all read
-        through that rank's own copy of the flat table."""
-        bs, width = self.bm.block_size, self.table.table.width
-        rows, tok, pos = self._batch_inputs(decode, prefill)
-        dev = self.device
-        nt, nd = len(tok), len(decode)
-        dec_pos = pos[:nd]
-        # Decode metadata in one host -> device copy. Entry (row, j) of the flat table is
-        # row * width + j: base is each decode row's entry 0, ent the entry holding the token's
-        # block, off the token's offset in that block.
-        bases = [rows[s.id] * width for s in decode]
-        ent = [b + p // bs for b, p in zip(bases, dec_pos)]
-        meta = torch.tensor(
-            tok + pos + [p + 1 for p in dec_pos] + bases + ent + [p % bs for p in dec_pos],
-            device=dev,
-        )
-        tokens, positions = meta[:nt], meta[nt : 2 * nt]
-        max_len = max(dec_pos) + 1 if nd else 0
-        if nd:
-            dec_lens, dec_base, dec_ent, dec_off = meta[2 * nt :].view(4, nd).unbind()
-            torch_path = self.decode_attention is paged_decode_torch
-            if (
-                torch_path
-            ):  # the mask every rank and layer shares (None when all rows are max_len long)
-                mask = decode_mask(dec_lens, max_len, min(dec_pos) + 1)
-            else:  # the kernel's dtype, converted once per step rather than per layer
-                dec_lens = dec_lens.to(torch.int32)
-            nblk_dec = -(-max_len // bs)
-            dec_idx = torch.add(dec_base.unsqueeze(1), self._arange(nblk_dec)).view(
-                -1
-            )  # [nd * nblk_dec] entries
-            hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
-        metas = []
-        for rank in self.ranks.ranks:
-            flat = rank.table
-            last = flat.numel() - 1
-            slots, dec_tables, plan, chunks = [], None, None, []
-            if nd:  # flat addressing: an overlong row reads on into the next one, as a kernel would
-                di, de = (
-                    (dec_idx, dec_ent)
-                    if hi <= last
-                    else (dec_idx.clamp(max=last), dec_ent.clamp(max=last))
-                )
-                dec_tables = flat.index_select(0, di).view(nd, nblk_dec)
-                slots.append(
-                    torch.add(dec_off, flat.index_select(0, de), alpha=bs)
-                )  # block * bs + offset, int64
-                if torch_path:
-                    plan = DecodePlan(decode_blocks(dec_tables, bs, max_len), max_len, mask)
-            off = nd
-            for s, n in prefill:
-                start = s.num_computed
-                nblk = -(-(start + n) // bs)
-                trow = flat[(rows[s.id] * width + torch.arange(nblk, device=dev)).clamp_(max=last)]
-                p = positions[off : off + n]
-                slots.append(trow[p // bs].long() * bs + p % bs)
-                chunks.append((off, n, start, trow))
-                off += n
-            metas.append(
-                (torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks)
-            )
-        if self.record_writes:
-            self._record_writes(decode, prefill, [m[0] for m in metas])
-        self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
-        return tokens, positions, metas
-
-    def _record_writes(self, decode, prefill, slots_by_rank: list[torch.Tensor]) -> None:
-        """The blocks each rank's writes land in, by sequence (the harness's record)."""
-        bs, nb = self.bm.block_size, self.bm.num_blocks
-        ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
-        self.written = {}
-        for rank, slots in enumerate(slots_by_rank):
-            for seq_id, block in zip(ids, (slots // bs).tolist()):
-                # an unused entry (-1) lands in the last block
-                self.written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
-
-    def _arange(self, n: int) -> torch.Tensor:
-        """torch.arange(n) on the engine's device, cached (a view of a longer one)."""
-        ar = getattr(self, "_arange_cache", None)
-        if ar is None or ar.numel() < n:
-            ar = self._arange_cache = torch.arange(max(2 * n, 64), device=self.device)
-        return ar[:n]
-
-    def _attend(self, nd: int, metas):
-        scale, decode_attention = self.model.scale, self.decode_attention
-        hkv_r = self.kv_heads_per_rank
-        h_r = hkv_r * (self.config.model.num_heads // self.config.model.num_kv_heads)
-        kv_views, dec_lens = self._kv_views, self._dec_lens
-        max_len = self._dec_max_len  # int(dec_lens.max()), known on the host
-        tp = len(metas)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = []
-            for r, (slots, dec_tables, plan, chunks) in enumerate(metas):
-                kc, vc = kv_views[r][layer]
-                qr, kr, vr = (
-                    (q, k, v)
-                    if tp == 1
-                    else (
-                        q[:, r * h_r : (r + 1) * h_r],
-                        k[:, r * hkv_r : (r + 1) * hkv_r],
-                        v[:, r * hkv_r : (r + 1) * hkv_r],
-                    )
-                )
-                write_kv(kc, vc, slots, kr, vr)
-                parts = []
-                if nd:
-                    parts.append(
-                        decode_attention(
-                            qr[:nd] if chunks else qr,
-                            kc,
-                            vc,
-                            dec_tables,
-                            dec_lens,
-                            scale,
-                            max_len,
-                            plan=plan,
-                        )
-                    )
-                for off, n, start, trow in chunks:
-                    parts.append(paged_prefill_torch(qr[off : off + n], kc, vc, trow, start, scale))
-                outs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-        return attend
-
     # -- lifecycle -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -536,7 +439,8 @@ class Engine:
         """Release every block still held (idempotent)."""
         for s in list(self.running):
             self.running.remove(s)
-            self.bm.free(s.id)
+            self.bm.release(s.id, "aborted")
+            s.holds = False
             self.table.drop(s.id)
             s.state = State.CANCELLED
 

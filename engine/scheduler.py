@@ -1,7 +1,8 @@
 """Scheduling a step: planned on the block manager's estimates, then reserved against its
-actual answers.
+actual answers (protocol v2: admit a waiting sequence, append to a running one).
 
-The schedule is planned on `blocks_needed`, the manager's estimate, not a promise: any append may
+The schedule is planned on `blocks_needed`, the manager's estimate, not a promise (without one, on
+the blocks the new positions add: Engine.estimate): any admit or append may
 be refused (OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve
 blocks). The engine then does what a serving scheduler does: a decode sequence that cannot grow
 preempts the newest running request (itself, if it is the newest); a request whose first chunk is
@@ -15,24 +16,24 @@ from kvchaos.engine.sequence import Sequence, State
 
 def schedule(engine) -> tuple[list, list, list[str]]:
     """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
-    bm, budget = engine.bm, engine.config.max_prefill_tokens
+    bm, budget, estimate = engine.bm, engine.config.max_prefill_tokens, engine.estimate
     preempted: list[str] = []
     decode = [s for s in engine.running if s.uncomputed == 1]
     # Make room for one token per decoding sequence, preempting the newest first.
-    need = sum(bm.blocks_needed(s.id, 1) for s in decode)
+    need = sum(estimate(s, 1) for s in decode)
     while decode and need > bm.num_free_blocks:
         victim = engine.running[-1]
         engine._preempt(victim)
         preempted.append(victim.id)
         if victim in decode:
             decode.remove(victim)
-        need = sum(bm.blocks_needed(s.id, 1) for s in decode)
+        need = sum(estimate(s, 1) for s in decode)
     free = bm.num_free_blocks - need
     prefill: list[tuple[Sequence, int]] = []
     for s in engine.running:
         if s.uncomputed > 1 and budget > 0:
             n = min(s.uncomputed, budget)
-            need = bm.blocks_needed(s.id, n)
+            need = estimate(s, n)
             if need <= free:
                 prefill.append((s, n))
                 budget -= n
@@ -41,7 +42,7 @@ def schedule(engine) -> tuple[list, list, list[str]]:
     while engine.waiting and budget > 0 and rows > 0:
         s = engine.waiting[0]
         n = min(s.uncomputed, budget)
-        need = bm.blocks_needed(s.id, n)
+        need = estimate(s, n)
         if need > free - engine.watermark_blocks:
             break  # FCFS: the head waits for room, nobody overtakes it
         engine.waiting.popleft()
@@ -57,10 +58,13 @@ def schedule(engine) -> tuple[list, list, list[str]]:
 def reserve(engine, decode: list, prefill: list, preempted: list[str]):
     """Appends for the step's decode sequences and prefill chunks. Returns what may run:
     (decode, prefill, copy-on-write copies). Sequences preempted here are added to `preempted`."""
-    bm = engine.bm
+    bm, sync = engine.bm, engine.table.sync
     if decode and hasattr(bm, "append_decode"):
         try:  # the batched fast path; all or nothing
-            return _prefill(engine, decode, prefill, bm.append_decode([s.id for s in decode]))
+            copies = bm.append_decode([s.id for s in decode], [s.tokens[-1] for s in decode])
+            for s in decode:
+                sync(s.id, copied=bool(copies))
+            return _prefill(engine, decode, prefill, copies)
         except OutOfBlocks as no:
             engine.refused("append_decode", decode[0].id, 1, no)
     copies: dict[str, list] = {}
@@ -70,7 +74,8 @@ def reserve(engine, decode: list, prefill: list, preempted: list[str]):
             continue  # preempted to make room for an earlier one
         while True:
             try:
-                copies[s.id] = bm.append(s.id, 1)
+                copies[s.id] = bm.append(s.id, [s.tokens[-1]])
+                sync(s.id, copied=bool(copies[s.id]))
                 kept.append(s)
                 break
             except OutOfBlocks as no:
@@ -88,14 +93,28 @@ def reserve(engine, decode: list, prefill: list, preempted: list[str]):
 
 
 def _prefill(engine, decode: list, prefill: list, copies: list):
-    bm, ran, back = engine.bm, [], []
+    bm, table, ran, back = engine.bm, engine.table, [], []
+    admit_call = "append" if engine.protocol < 2 else "admit"  # as the manager was called
     for s, n in prefill:
         try:
-            copies += bm.append(s.id, n)
-            ran.append((s, n))
+            if not s.holds:  # admission: the manager answers the tokens it has computed already
+                table.place(s.id)
+                known = s.tokens
+                h = bm.admit(s.id, known, n, len(known) - 1)  # the boundary validates the int
+                used = min(h, len(known) - 1)  # the last known token is computed (its logits)
+                have = h + min(n, len(known) - h)  # slots the manager now has
+                s.holds, s.num_computed, s.hit_tokens = True, used, used
+                table.sync(s.id)
+                ran.append((s, have - used))  # capped: recompute [used, h)
+            else:
+                got = bm.append(s.id, s.tokens[s.num_computed : s.num_computed + n])
+                table.sync(s.id, copied=bool(got))
+                copies += got
+                ran.append((s, n))
         except OutOfBlocks as no:
-            engine.refused("append", s.id, n, no)
-            if s.num_computed == 0:
+            engine.refused(admit_call if not s.holds else "append", s.id, n, no)
+            if not s.holds:
+                table.drop(s.id)
                 back.append(s)  # holds nothing yet: back to the queue, first in line
     for s in reversed(back):
         engine.running.remove(s)

@@ -23,6 +23,8 @@ class Sequence:
     arrival_step: int
     state: State = State.WAITING
     num_computed: int = 0  # tokens whose K/V are in the pool
+    holds: bool = False  # admitted (or forked) and not yet released: the manager holds its blocks
+    hit_tokens: int = 0  # tokens its last admission found computed (prefix cache hits)
     parent: str | None = None  # forked from (shares its blocks until written)
 
     @property

@@ -276,6 +276,27 @@ def test_engine_still_accepts_work_after_many_refusals(busy):
     assert eng.seqs["x"].state is State.FINISHED
 
 
+def test_failed_step_releases_its_sequences_with_error_and_recomputes(busy):
+    eng, logits = busy
+    reasons = []
+    eng.seams.free_on_exit = lambda seq, why: reasons.append((seq.id, why)) or True
+    running = [s.id for s in eng.running]
+    forward = eng.model.forward
+
+    def fail(*args):
+        raise RuntimeError("the forward failed")
+
+    eng.model.forward = fail
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        eng.step()
+    released = {r for r, _ in reasons}  # the running ones and those admitted this step
+    assert running and set(running) <= released and {why for _, why in reasons} == {"error"}
+    assert all(eng.seqs[r].phase == "preempted" and not eng.seqs[r].holds for r in released)
+    assert eng.bm.snapshot().seq_blocks == {}  # nothing half-done is held
+    eng.model.forward = forward
+    finish_and_check(eng, logits)
+
+
 # -- configuration --------------------------------------------------------------------------
 CONFIG_ERRORS = {
     "heads not multiple of kv heads": (

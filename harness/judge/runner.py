@@ -199,6 +199,8 @@ def run_scenario(
         "config_hash": run.cfg.config_hash() if run else None,
         "device": device,
         "block_manager": block_manager_spec or REFERENCE,
+        # what the manager itself speaks (1: through V1Shim); not in the history, so digests stay
+        "block_manager_protocol": run.engine.protocol if run else None,
         "tp_mode": run.cfg.tp_mode if run else tp.get("tp_mode"),
         "world_size": run.cfg.tp_size if run else tp.get("tp_size"),
         "steps": run.engine.step_count if run else 0,
