@@ -217,14 +217,17 @@ def test_short_soak_kills_an_injected_hang_and_goes_on(capped):
     assert capped.wall < 60 + 20, f"took {capped.wall:.0f} s for a 60 s budget"
     assert s["elapsed_s"] <= 60 + 3
     assert (capped.folder / "soak-summary.md").read_text().startswith(f"# kvchaos soak {s['soak']}")
-    # the 30th run hangs, is killed after 2 + 5 s and recorded as ERROR; the soak goes on after it
+    # the 30th run hangs (outside any call into the manager): stopped at 2 s, as `kvchaos run`
+    # stops one, and recorded from its history as ERROR; the soak goes on after it
     assert s["verdicts"].get("ERROR", 0) >= 1
     assert p.returncode == s["exit_code"] != 0
     assert len(rows) == s["runs"] and [r["seed"] for r in rows] == list(range(s["runs"]))
     hung = rows[HANG_EVERY - 1]
     assert hung["verdict"] == "ERROR" and hung["history_digest"] is None
     res = json.loads((Path(hung["run_dir"]) / "results.json").read_text())
-    assert res["error"]["error"] == "Timeout" and res["error"]["injected_hang"] is True
+    assert res["error"]["error"] == "Timeout" and "timed out after 2 s" in res["summary"]
+    assert res["worker"] == {"ended": "timeout", "status": None}
+    assert res["python_hash_seed"] == "0"  # the fork server's, as every run's and replay's
     # a report for the summary to link to (unless the report itself broke: then it says so)
     assert (Path(hung["run_dir"]) / "report.html").is_file() or "report_error" in res
     assert json.loads(hung["scenario_json"]) == generate_scenario(HANG_EVERY - 1)
@@ -342,18 +345,15 @@ def test_bad_max_disk_or_keep_is_one_clear_error(capsys, tmp_path, flag, value, 
     assert not list(tmp_path.iterdir())  # nothing started
 
 
-class _DiskWorker:
-    """Stands in for the worker: each run writes a folder of about 80 KB (history 60 KB); every
-    third run is INCONCLUSIVE with a cause of its own (so kept as an example), the others PASS."""
+def _disk_runs(soak: Soak, monkeypatch) -> None:
+    """Stands in for the isolated runs: each run writes a folder of about 80 KB (history 60 KB);
+    every third run is INCONCLUSIVE with a cause of its own (so kept as an example), the others
+    PASS; every replay is identical."""
+    from kvchaos.harness.tools import replay
 
-    def ready(self, deadline, tick):
-        return True
-
-    def call(self, job, deadline, tick):
+    def run(job, timeout_s, tick):
         seed = job["seed"]
-        if job["op"] == "replay":
-            return "ok", {"digest": f"d{seed}", "verdict": "PASS"}
-        d = Path(job["runs_dir"]) / f"x-soak-{seed}-s{seed}"
+        d = soak.dir / "runs" / f"x-soak-{seed}-s{seed}"
         d.mkdir()
         verdict, summary = (
             ("PASS", "clean")
@@ -366,21 +366,19 @@ class _DiskWorker:
         results = {"verdict": verdict, "seed": seed, "summary": summary, "scenario": "soak"}
         (d / "results.json").write_text(json.dumps(results))
         cmd = f"kvchaos run {d}/scenario.toml --seed {seed} --device cpu"
-        return "ok", {**results, "run_dir": str(d), "steps": 5, "digest": f"d{seed}"} | {
+        return {**results, "run_dir": str(d), "steps": 5, "digest": f"d{seed}"} | {
             "command": cmd,
             "fingerprints": [],
+            "ended": None,
         }
 
-    def stop(self):
-        pass
-
-    def rss(self):
-        return 0
+    soak._run = run
+    monkeypatch.setattr(replay, "replay", lambda *a: {"identical": True, "replay_worker": None})
 
 
-def test_at_the_cap_passing_runs_go_first_then_the_soak_stops(tmp_path, capsys):
+def test_at_the_cap_passing_runs_go_first_then_the_soak_stops(tmp_path, capsys, monkeypatch):
     soak = Soak(_soak_args(tmp_path, "--max-disk", "1MB", "--keep", "50"))
-    soak.worker = _DiskWorker()
+    _disk_runs(soak, monkeypatch)
     assert soak.run() == EXIT_DISK_CAP
     assert "stopped at the disk cap" in capsys.readouterr().err
     assert _du(tmp_path) < 10**6
@@ -474,37 +472,21 @@ def test_a_new_soak_continues_after_the_ledgers_seeds(tmp_path):
     nxt.ledger.close()
 
 
-class _FakeWorker:
-    """Stands in for the worker process: the replay comes back with another digest."""
-
-    def ready(self, deadline, tick):
-        return True
-
-    def call(self, job, deadline, tick):
-        return "ok", {"digest": "f" * 64, "verdict": "PASS"}
-
-    def rss(self):
-        return 0
-
-
 def test_a_replay_mismatch_is_nondeterminism_not_a_retry(tmp_path):
-    soak = Soak(_soak_args(tmp_path))
-    soak.worker = _FakeWorker()
-    data = generate_scenario(3)
-    job = {"seed": 3, "scenario": data, "scenario_path": "x.toml", "hang": False}
-    r = {
-        "run_dir": str(tmp_path / "run"),
-        "verdict": "PASS",
-        "summary": "clean",
-        "steps": 12,
-        "digest": "a" * 64,
-        "command": "kvchaos run x.toml --seed 3",
-        "fingerprints": [],
-    }
+    """A real run and its replay, each in a fresh worker; the recorded history is then altered
+    (as an engine that answers differently run to run would have made it): a mismatch."""
+    soak = Soak(_soak_args(tmp_path, "--seed-start", "3"))
+    job = soak._job(0)
+    r = soak._run(job, 60, lambda: None)
+    assert r["ended"] is None and r["digest"]
     row = soak._record(job, r, 0.5)
-    soak._replay(job, r, row, time.monotonic() + 60, lambda: None)
-    assert soak.counts["PASS"] == 1 and soak.counts["NONDETERMINISM"] == 1
-    assert soak.nondet[0]["digest"] == "a" * 64 and soak.nondet[0]["replay_digest"] == "f" * 64
+    with open(Path(r["run_dir"]) / "history.jsonl", "a") as f:
+        f.write(json.dumps({"e": "note", "step": 0, "altered": True}) + "\n")
+    soak._replay(job, r, row, time.monotonic() + 60)
+    assert soak.counts[r["verdict"]] == 1 and soak.counts["NONDETERMINISM"] == 1
+    (m,) = soak.nondet
+    assert m["replay_digest"] == r["digest"] != m["digest"]  # the replay ran as the run did
+    assert m["replay_verdict"] == r["verdict"] != "ERROR"
     assert soak.exit_code() == EXIT_NONDETERMINISM
     assert soak.ledger.db.execute("SELECT determinism FROM runs").fetchall() == [("mismatch",)]
     soak.counts["MISSED"] += 1  # a harness miss outranks it

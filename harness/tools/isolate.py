@@ -34,6 +34,7 @@ STOP_GRACE_S = 3.0  # after SIGUSR1, before SIGKILL
 REPORT_LIMIT_S = 120.0  # once the run's record is written: for its reports
 VALIDATE_TIMEOUT_S = 60.0  # the block manager's check before any run (a tiny pool)
 INTERRUPT_GRACE_S = 30.0  # after Ctrl-C: for the worker to record the run as interrupted
+WAIT_TICK_S = 0.5  # how often on_wait is called while a worker runs
 HASH_SEED = "0"
 PRELOAD = ["kvchaos.harness.tools.isolate_preload"]  # what the fork server imports once
 PAGE_SIZE = 4096
@@ -87,6 +88,7 @@ class Job:
     world_size: int | None = None
     batch: str | None = None
     env: dict = dataclasses.field(default_factory=dict)
+    inject_hang: bool = False  # the soak's --inject-hang-every: sleep before the run until stopped
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -130,6 +132,8 @@ def _worker(job: Job, conn) -> None:
     faulthandler.enable(stack, all_threads=True)  # a segfault's Python stack
     faulthandler.register(signal.SIGUSR1, stack, all_threads=True, chain=True)
     Boundary.watch = CallPage(job.scratch / "call")
+    while job.inject_hang:  # a hang outside any call into the manager: only the stop ends it
+        time.sleep(3600)
     try:
         r = run_scenario(
             job.scenario,
@@ -228,9 +232,12 @@ def run_isolated(
     tp_mode: str | None = None,
     world_size: int | None = None,
     batch: str | None = None,
+    on_wait=None,
+    inject_hang: bool = False,
 ):
     """Run one scenario with one seed in a fresh worker; returns its RunResult (without the
-    events: they are in run_dir/history.jsonl), its reports written. timeout_s=None: no limit."""
+    events: they are in run_dir/history.jsonl), its reports written. timeout_s=None: no limit.
+    on_wait(): called about every WAIT_TICK_S while the worker runs (a live display)."""
     from kvchaos.harness.judge.runner import make_run_dir, resolve_device
 
     ctx = start_server()
@@ -240,7 +247,7 @@ def run_isolated(
     (scratch / "call").write_bytes(bytes(PAGE_SIZE))
     job = Job(
         sc, seed, device, run_dir, scratch, block_manager_spec, tp_mode, world_size, batch,
-        dict(os.environ),
+        dict(os.environ), inject_hang,
     )  # fmt: skip
     t0 = time.perf_counter()
     ours, theirs = ctx.Pipe(duplex=False)
@@ -249,7 +256,7 @@ def run_isolated(
         proc.start()
     theirs.close()
     try:
-        result, ending = _wait(proc, ours, timeout_s)
+        result, ending = _wait(proc, ours, timeout_s, on_wait)
         if result is None:
             return _record_lost(job, ending, timeout_s, time.perf_counter() - t0)
         if ending[0] != "published":  # the run's record stands; its reports were not written
@@ -313,7 +320,7 @@ def _validate(spec: str, cwd: str, conn) -> None:
         conn.send(f"{spec!r}: the check before any run raised {type(e).__name__}: {e}")
 
 
-def _wait(proc, conn, timeout_s: float | None):
+def _wait(proc, conn, timeout_s: float | None, on_wait=None):
     """Wait for the worker: (its latest result: None until the run's record is written, then
     the run's, then the published one; how it ended: ("published", None) | ("exit", code) |
     ("timeout", None) | ("interrupted", None)). Stops the worker at the limit."""
@@ -326,7 +333,12 @@ def _wait(proc, conn, timeout_s: float | None):
             _stop(proc)
             return ran, ("interrupted" if interrupted else "timeout", None)
         try:
-            ready = mp.connection.wait([conn, proc.sentinel], min(left, 3600))
+            ready = mp.connection.wait(
+                [conn, proc.sentinel], min(left, WAIT_TICK_S if on_wait else 3600)
+            )
+            if not ready and on_wait is not None:
+                on_wait()
+                continue
             if conn in ready:
                 try:
                     kind, result = conn.recv()

@@ -203,6 +203,7 @@ def replay(
         "scenario": sc.name,
         "recorded_verdict": results.get("verdict"),
         "replay_verdict": r.verdict,
+        "replay_worker": r.results.get("worker"),  # how its worker ended, when it hung or died
         **setup,
     }
 

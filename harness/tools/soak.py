@@ -1,13 +1,13 @@
 """Soak: run randomised scenarios until a time budget is spent.
 
 Each seed picks a mix of triggers, planted defects and workload parameters within the ranges in
-SPACE (soak_space.py) and runs it in a worker process; a run that hangs is killed at its timeout
-and recorded as ERROR, and the soak goes on. Every run goes into a seed ledger (SQLite) that
-persists across nights. A sample of runs (5%, from the first run that is not an ERROR) is replayed
-and its history digest compared: a mismatch is NONDETERMINISM, never retried. At the end:
-soak-summary.md / .html in the soak's folder, incidents deduplicated by fingerprint (label, failure
-mode, checker, finding kind) with the first and fastest seed of each, INCONCLUSIVE runs by cause,
-runs and findings over time, and links to every kept run's report.
+SPACE (soak_space.py) and runs it as `kvchaos run` does (isolate.py: a fresh worker per run, a
+hang stopped at --per-run-timeout), and the soak goes on. Every run goes into a seed ledger
+(SQLite) that persists across nights. A sample of runs (5%, from the first run that is not an
+ERROR) is replayed as `kvchaos replay` does: a mismatch is NONDETERMINISM, never retried. At
+the end: soak-summary.md / .html in the soak's folder, incidents deduplicated by fingerprint
+(label, failure mode, checker, finding kind) with the first and fastest seed of each,
+INCONCLUSIVE runs by cause, runs and findings over time, and links to every kept run's report.
 
 Disk: every run with a finding (a verdict other than PASS, the first or fastest run of an
 incident, a replay mismatch) keeps its folder; of the passing runs a seeded reservoir sample of
@@ -26,6 +26,7 @@ Exit codes: 0 nothing unexpected (PASS / INCONCLUSIVE only), 10 MISSED, 11 FAIL,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -37,9 +38,12 @@ from array import array
 from collections import Counter
 from pathlib import Path
 
+import psutil
+
 from kvchaos.harness.judge import inputs
 from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
 from kvchaos.harness.report.paths import report_dir_problem
+from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import (
     Keeper,
     Ledger,
@@ -61,10 +65,8 @@ from kvchaos.harness.tools.soak_summary import (
     render_md,
     summary_of,
 )
-from kvchaos.harness.tools.worker import Worker, killed_run
 
 REPLAY_EVERY = 20  # every 20th run (the first included; an ERROR passes it on) is replayed: 5%
-KILL_GRACE_S = 5.0  # past the soft per-run timeout, the worker is killed
 RSS_SAMPLE_EVERY_S = 5.0
 RSS_BASELINE_S = 60.0  # "after the first minute"
 
@@ -96,8 +98,6 @@ def _incident(seed: int, run_dir: str, step: int, count: int) -> dict:
 # -- the soak ---------------------------------------------------------------------------------
 class Soak:
     def __init__(self, args) -> None:
-        import psutil
-
         from kvchaos.harness.judge.runner import git_commit, resolve_device
 
         self.budget = parse_budget(args.budget)
@@ -106,7 +106,7 @@ class Soak:
         if args.inject_hang_every is not None and args.inject_hang_every < 1:
             raise ValueError(f"--inject-hang-every {args.inject_hang_every}: must be >= 1")
         self.args = args
-        # the worker inherits this: a matplotlib figure per incident run would triple a soak's cost
+        # each worker gets this: a matplotlib figure per incident run would triple a soak's cost
         os.environ["KVCHAOS_PLOTS"] = args.plots
         self.device = resolve_device(args.device)
         self.commit = git_commit()
@@ -138,7 +138,6 @@ class Soak:
             self.cap,
             self.seed_start,
         )
-        self.worker = Worker()
         self.proc = psutil.Process()
         self.counts: Counter = Counter()
         self.incidents: dict[tuple, dict] = {}
@@ -162,24 +161,40 @@ class Soak:
 
         seed = shard_seed(self.seed_start, k, self.shard)
         data = generate_scenario(seed)
-        parse_scenario(data, f"<soak seed {seed}>")  # the generator's output must be valid
+        sc = parse_scenario(data, f"<soak seed {seed}>")  # the generator's output must be valid
         hang = (
             self.args.inject_hang_every is not None and (k + 1) % self.args.inject_hang_every == 0
         )
-        return {
-            "op": "run",
-            "seed": seed,
-            "scenario": data,
-            "device": self.device,
-            "runs_dir": str(self.dir / "runs"),
-            "batch": f"soak-{self.dir.name}",  # the report index groups the soak's runs
-            "timeout_s": self.args.per_run_timeout,
-            "hang": hang,
-        }
+        return {"seed": seed, "scenario": data, "sc": sc, "hang": hang}
 
-    def _deadline(self, end: float) -> tuple[float, bool]:
-        own = time.monotonic() + self.args.per_run_timeout + KILL_GRACE_S
-        return min(own, end), own <= end
+    def _limit(self, end: float) -> tuple[float, bool]:  # (limit, is it the run's own)
+        left = max(end - time.monotonic(), 0.01)  # 0 would be no limit
+        return min(self.args.per_run_timeout, left), self.args.per_run_timeout <= left
+
+    def _run(self, job: dict, timeout_s: float, tick) -> dict:
+        """One run, as `kvchaos run` makes it (the run folder's scenario.toml its one copy): what
+        the ledger keeps of it; "ended": how its worker ended when it gave no record, else None."""
+        from kvchaos.harness.tools.isolate import run_isolated
+
+        batch = f"soak-{self.dir.name}"  # the report index groups the soak's runs
+        r = run_isolated(
+            job["sc"], job["seed"], self.device, self.dir / "runs", timeout_s=timeout_s,
+            batch=batch, on_wait=tick, inject_hang=job["hang"],
+        )  # fmt: skip
+        res = r.results
+        if res.get("reason") == "interrupted":  # Ctrl-C: its record is on disk; the soak stops
+            raise KeyboardInterrupt
+        ended = (res.get("worker") or {}).get("ended")
+        return {
+            "run_dir": str(r.run_dir),
+            "verdict": r.verdict,
+            "summary": r.summary,
+            "steps": res.get("steps", 0),
+            "digest": None if ended else res["history_digest"],  # a cut history: no digest
+            "command": res["replay"],
+            "fingerprints": fingerprints(res, job["scenario"].get("faults", [])),
+            "ended": ended,
+        }
 
     def _record(self, job: dict, r: dict, duration: float) -> int:
         seed = job["seed"]
@@ -235,27 +250,27 @@ class Soak:
             fingerprints=json.dumps([x["fp"] for x in r["fingerprints"]]),
         )
 
-    def _replay(self, job: dict, r: dict, row: int, end: float, tick) -> None:
-        if not self.worker.ready(end, tick):
-            self.ledger.set_determinism(row, "cut")
-            return
-        deadline, own = self._deadline(end)
-        status, got = self.worker.call({**job, "op": "replay", "hang": False}, deadline, tick)
-        if status == "timeout" and not own:
+    def _replay(self, job: dict, r: dict, row: int, end: float) -> None:
+        """Replay the run as `kvchaos replay` does: a fresh worker with the same hash seed."""
+        from kvchaos.harness.tools import replay
+
+        timeout_s, own = self._limit(end)
+        got = replay.replay(r["run_dir"], self.device, timeout_s)
+        ended = (got.get("replay_worker") or {}).get("ended")
+        if ended == "timeout" and not own:  # the budget ran out mid-replay
             self.ledger.set_determinism(row, "cut")
             return
         self.replays += 1
-        got = got if status == "ok" else None
-        same = got is not None and got["digest"] == r["digest"]
+        same = got["identical"]
         self.ledger.set_determinism(row, "identical" if same else "mismatch")
         if not same:
             self.nondet.append(
                 {
                     "seed": job["seed"],
                     "run_dir": r["run_dir"],
-                    "digest": r["digest"],
-                    "replay_digest": got["digest"] if got else f"replay {status}",
-                    "replay_verdict": got["verdict"] if got else ERROR,
+                    "digest": got["recorded_digest"],
+                    "replay_digest": f"replay {ended}" if ended else got["replay_digest"],
+                    "replay_verdict": got["replay_verdict"],
                     "verdict": r["verdict"],
                 }
             )
@@ -296,7 +311,7 @@ class Soak:
         if t - self._last_rss < RSS_SAMPLE_EVERY_S and self.rss:
             return
         self._last_rss = t
-        soak, worker = self.proc.memory_info().rss, self.worker.rss()
+        soak, worker = self.proc.memory_info().rss, self._worker_rss()
         self.rss.setdefault("start_mb", soak / 2**20)
         self.rss["peak_mb"] = max(self.rss.get("peak_mb", 0), soak / 2**20)
         self.rss["worker_peak_mb"] = max(self.rss.get("worker_peak_mb", 0), worker / 2**20)
@@ -308,6 +323,14 @@ class Soak:
                 worker_baseline_mb=worker / 2**20,
             )
         self.rss.update(end_mb=soak / 2**20, worker_end_mb=worker / 2**20)
+
+    def _worker_rss(self) -> int:
+        """The largest child: the run's worker while one runs, else the fork server."""
+        sizes = [0]
+        for p in self.proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # it ended meanwhile
+                sizes.append(p.memory_info().rss)
+        return max(sizes)
 
     def run(self) -> int:
         from rich.console import Console
@@ -341,29 +364,21 @@ class Soak:
         try:
             k, replay_due = 0, True
             while time.monotonic() < end:
-                if not self.worker.ready(end, tick):
-                    break
                 job = self._job(k)
                 k += 1
                 t_run = time.monotonic()
-                deadline, own = self._deadline(end)
-                status, r = self.worker.call(job, deadline, tick)
-                if status == "timeout" and not own:  # the budget ran out mid-run: not its fault
+                timeout_s, own = self._limit(end)
+                r = self._run(job, timeout_s, tick)
+                if r["ended"] == "timeout" and not own:  # the budget ran out mid-run: not its fault
                     self.cut += 1
-                    for d in (self.dir / "runs").glob(f"*-soak-{job['seed']}-s{job['seed']}"):
-                        shutil.rmtree(d, ignore_errors=True)
+                    shutil.rmtree(r["run_dir"], ignore_errors=True)
                     break
-                if status != "ok":
-                    detail = (r or {}).get("worker_error", "")
-                    limit_s = self.args.per_run_timeout + KILL_GRACE_S
-                    r = killed_run(
-                        job, status, detail, self.dir / "runs", limit_s, self.commit, self.device
-                    )
                 row = self._record(job, r, time.monotonic() - t_run)
                 replay_due = replay_due or (k - 1) % REPLAY_EVERY == 0
-                # an ERROR run may have stopped on a clock (its timeout): not the seed's alone
-                if replay_due and r["verdict"] != ERROR and time.monotonic() < end:
-                    self._replay(job, r, row, end, tick)
+                # an ERROR run may have stopped on a clock (its timeout): not the seed's alone;
+                # a run its worker did not finish has no digest to compare
+                if replay_due and r["verdict"] != ERROR and r["digest"] and time.monotonic() < end:
+                    self._replay(job, r, row, end)
                     replay_due = False
                 self._keep(job, r, row)
                 tick()
@@ -375,7 +390,6 @@ class Soak:
                     )
                     break
         finally:
-            self.worker.stop()
             tick()
             if live is not None:
                 live.stop()
@@ -459,8 +473,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=inputs.flag(inputs.seconds),
         default=120.0,
         metavar="S",
-        help=f"a run still going after S s is stopped, and killed {KILL_GRACE_S:g} s later "
-        "(default 120)",
+        help="per-run time limit in seconds (default 120), as `kvchaos run --timeout`: a run "
+        "still going is stopped; a call into the block manager that did not return is a FAIL "
+        "naming it, a hang elsewhere an ERROR",
     )
     p.add_argument(
         "--report-dir", default="reports", help="the soak's folder goes here (default: reports)"
