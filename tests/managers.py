@@ -340,6 +340,7 @@ class InterruptsTheRunner(Delegate):
     def append(self, seq_id, n):
         if self.calls == 5:
             os.kill(int(os.environ["KVCHAOS_TEST_INTERRUPT_PID"]), signal.SIGINT)
+            time.sleep(30)  # a slow call: the runner's word (SIGUSR2) reaches the worker here
         return super().append(seq_id, n)
 
 

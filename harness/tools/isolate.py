@@ -264,6 +264,8 @@ def run_isolated(
             (run_dir / "results.json").write_text(_json(result.results), encoding="utf-8")
             if ending[0] == "interrupted":  # Ctrl-C: the batch stops here
                 raise KeyboardInterrupt
+        if ending[1] == "interrupted":  # the run ended whole, but the user has stopped the batch
+            raise KeyboardInterrupt
         return result
     finally:
         proc.join(5)  # a worker that sent its result ends at once
@@ -322,7 +324,8 @@ def _validate(spec: str, cwd: str, conn) -> None:
 
 def _wait(proc, conn, timeout_s: float | None, on_wait=None):
     """Wait for the worker: (its latest result: None until the run's record is written, then
-    the run's, then the published one; how it ended: ("published", None) | ("exit", code) |
+    the run's, then the published one; how it ended: ("published", None or "interrupted") |
+    ("exit", code) | ("interrupted", code) |
     ("timeout", None) | ("interrupted", None)). Stops the worker at the limit."""
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     ran = None
@@ -345,13 +348,13 @@ def _wait(proc, conn, timeout_s: float | None, on_wait=None):
                 except (EOFError, OSError):  # it ended without a word: the sentinel tells how
                     ready = [proc.sentinel]
                 else:
-                    if kind == "published":
-                        return result, ("published", None)
+                    if kind == "published":  # a Ctrl-C seen meanwhile still stops the batch
+                        return result, ("published", "interrupted" if interrupted else None)
                     ran, deadline = result, time.monotonic() + REPORT_LIMIT_S
                     continue
             if proc.sentinel in ready:
                 proc.join()
-                return ran, ("exit", proc.exitcode)
+                return ran, ("interrupted" if interrupted else "exit", proc.exitcode)
         except KeyboardInterrupt:
             if interrupted or ran is not None:  # a second Ctrl-C, or only the reports were left
                 _stop(proc, grace=0)
