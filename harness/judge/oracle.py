@@ -49,8 +49,7 @@ class _Past:
     are fed then, attending to this cache)."""
 
     fed: list[int]
-    k: list[torch.Tensor]  # per layer [Hkv, len(fed), D], K after rotation
-    v: list[torch.Tensor]
+    kv: torch.Tensor  # [layers, 2 (K after rotation, V), Hkv, len(fed), D]
     checked: int = 0
     max_abs: float = 0.0
     max_rel: float = 0.0
@@ -109,7 +108,7 @@ class Oracle:
 
     def _forward(self, batch: torch.Tensor, lens: list[int], pasts: list):
         """batch [R, M] new tokens of requests whose caches hold lens[r] tokens (pasts[r], or
-        None) -> hidden [R, M, hidden] and the new tokens' K/V per layer ([R, Hkv, M, D])."""
+        None) -> hidden [R, M, hidden] and the new tokens' K/V ([layers, 2, R, Hkv, M, D])."""
         model, cfg = self.model, self.model.cfg
         r, m = batch.shape
         p_max, dev = max(lens), model.device
@@ -126,22 +125,20 @@ class Oracle:
             dim=-1,
         )[:, None].to(dev)  # [R, 1, M, P+M]
         groups = cfg.num_heads // cfg.num_kv_heads
-        new_k, new_v = [], []
+        new_kv = []
+        if p_max:  # the caches, padded once for every layer: [layers, 2, R, Hkv, P, D]
+            shape = (cfg.num_layers, 2, r, cfg.num_kv_heads, p_max, cfg.head_dim)
+            padded = torch.zeros(shape, dtype=cfg.torch_dtype, device=dev)
+            for row, past in enumerate(pasts):
+                if past:
+                    padded[:, :, row, :, : lens[row]] = past.kv
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q, k, v = (x.view(r, m, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
-            new_k.append(k)
-            new_v.append(v)
+            new_kv.append(torch.stack([k, v]))
             if p_max:
-                pk, pv = (
-                    torch.zeros(r, cfg.num_kv_heads, p_max, cfg.head_dim, dtype=k.dtype, device=dev)
-                    for _ in range(2)
-                )
-                for row, past in enumerate(pasts):
-                    if past:
-                        pk[row, :, : lens[row]] = past.k[layer]
-                        pv[row, :, : lens[row]] = past.v[layer]
-                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+                k = torch.cat([padded[layer, 0], k], dim=2)
+                v = torch.cat([padded[layer, 1], v], dim=2)
             o = F.scaled_dot_product_attention(
                 q.float(),
                 k.float().repeat_interleave(groups, dim=1),
@@ -152,10 +149,10 @@ class Oracle:
             return o.transpose(1, 2).reshape(r * m, o.shape[1], o.shape[3]).to(cfg.torch_dtype)
 
         hidden = model.forward(batch.reshape(-1).to(dev), positions.reshape(-1).to(dev), attend)
-        return hidden.view(r, m, -1), new_k, new_v
+        return hidden.view(r, m, -1), torch.stack(new_kv)  # [layers, 2, R, Hkv, M, D]
 
     def _check_group(self, items, group: list, out: list[OracleResult], keep) -> None:
-        model, cfg = self.model, self.model.cfg
+        model = self.model
         r, m = len(group), max(1, group[-1][0])  # sorted: the last feeds the most
         lens = [len(p.fed) if p else 0 for _, _, p in group]
         batch = torch.zeros(r, m, dtype=torch.long)
@@ -165,7 +162,7 @@ class Oracle:
             fed = tokens[: prompt_len + rows.shape[0] - 1]
             fed_all.append(fed)
             batch[row, :n] = torch.tensor(fed[lens[row] :], dtype=torch.long)
-        hidden, new_k, new_v = self._forward(batch, lens, [p for _, _, p in group])
+        hidden, new_kv = self._forward(batch, lens, [p for _, _, p in group])
         # Logits only where the engine produced some and not yet checked: from each prompt's
         # last token on, past what an earlier check of it compared.
         spans = []
@@ -190,20 +187,10 @@ class Oracle:
                 res.max_rel_err = max(res.max_rel_err, past.max_rel)
             out[i] = res
             if req in keep and not res.diverged:
-                ks = [
-                    torch.cat([past.k[L], new_k[L][row, :, :n]], 1)
-                    if past
-                    else new_k[L][row, :, :n]
-                    for L in range(cfg.num_layers)
-                ]
-                vs = [
-                    torch.cat([past.v[L], new_v[L][row, :, :n]], 1)
-                    if past
-                    else new_v[L][row, :, :n]
-                    for L in range(cfg.num_layers)
-                ]
+                kv = new_kv[:, :, row, :, :n]
+                kv = torch.cat([past.kv, kv], dim=3) if past else kv.clone()
                 self.past[req] = _Past(
-                    list(fed_all[row]), ks, vs, res.checked, res.max_abs_err, res.max_rel_err
+                    list(fed_all[row]), kv, res.checked, res.max_abs_err, res.max_rel_err
                 )
 
     def _compare(self, got: torch.Tensor, ref: torch.Tensor, sizes: list[int]) -> list:
