@@ -190,7 +190,7 @@ class Oracle:
                 kv = new_kv[:, :, row, :, :n]
                 kv = torch.cat([past.kv, kv], dim=3) if past else kv.clone()
                 self.past[req] = _Past(
-                    list(fed_all[row]), kv, res.checked, res.max_abs_err, res.max_rel_err
+                    fed_all[row], kv, res.checked, res.max_abs_err, res.max_rel_err
                 )
 
     def _compare(self, got: torch.Tensor, ref: torch.Tensor, sizes: list[int]) -> list:
