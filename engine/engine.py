@@ -23,6 +23,7 @@ from kvchaos.engine.compat import as_v2
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
 from kvchaos.engine.model import Model
+from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.protocols import (
     BlockManagerProtocol,
     KVManager,
@@ -61,11 +62,14 @@ class Engine(BatchBuilder):
         mc, cc = config.model, config.cache
         self.device = torch.device(config.device)
         self.model = Model(mc, config.seed, self.device)
-        manager = (
-            block_manager
-            if block_manager is not None
-            else BlockManager(cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
-        )
+        if block_manager is not None:
+            manager = block_manager
+        elif cc.prefix_caching:
+            manager = PrefixCachingManager(cc.num_blocks, cc.block_size)
+        else:
+            manager = BlockManager(
+                cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq
+            )
         self.protocol = protocol_version(manager)
         shape = KVManager if self.protocol >= 2 else BlockManagerProtocol
         if not isinstance(manager, shape):
@@ -139,6 +143,13 @@ class Engine(BatchBuilder):
             "refusals": 0,  # OutOfBlocks answers of the manager (admission, growth, fork)
             "refusals_with_room": 0,  # ... while its own counts said the blocks were free
         }
+        if "prefix_cache" in self.offers:  # (absent otherwise: older histories stay as they were)
+            self.counters.update(
+                admissions=0,
+                known_tokens=0,  # tokens known at admission (prompt; + output on readmission)
+                hit_tokens=0,  # ... of which served from the prefix cache, not computed
+                hits_capped=0,  # answers over the cap (the last known token is always computed)
+            )
 
     # -- requests ------------------------------------------------------------------------
     def _validate(self, request_id: str, tokens: list[int], max_new_tokens: int) -> None:
@@ -261,6 +272,20 @@ class Engine(BatchBuilder):
         data = {"call": call, "seq": seq_id, "tokens": tokens, "free": free, "needed": needed}
         changed = getattr(refusal, "changed", None)
         self.seams.on_event("refusal", {**data, "changed": changed} if changed else data)
+
+    def admitted(self, seq: Sequence, known: int, answered: int, used: int) -> None:
+        """Count an admission and its cache hit; a hit is an event naming the blocks it served."""
+        c = self.counters
+        if "admissions" in c:  # a manager offering a prefix cache
+            c["admissions"] += 1
+            c["known_tokens"] += known
+            c["hit_tokens"] += used
+            c["hits_capped"] += answered > used
+        if answered:
+            bs = self.bm.block_size
+            blocks = list(self.bm.block_ids(seq.id)[: -(-used // bs)])
+            hit = {"req": seq.id, "known": known, "answered": answered, "used": used}
+            self.seams.on_event("hit", {**hit, "capped": answered > used, "blocks": blocks})
 
     def estimate(self, seq: Sequence, n: int) -> int:
         """Free blocks n more tokens of seq should take: the manager's estimate where it gives

@@ -104,6 +104,7 @@ def _prefill(engine, decode: list, prefill: list, copies: list):
                 used = min(h, len(known) - 1)  # the last known token is computed (its logits)
                 have = h + min(n, len(known) - h)  # slots the manager now has
                 s.holds, s.num_computed, s.hit_tokens = True, used, used
+                engine.admitted(s, len(known), h, used)
                 table.sync(s.id)
                 ran.append((s, have - used))  # capped: recompute [used, h)
             else:

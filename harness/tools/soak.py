@@ -53,6 +53,7 @@ from kvchaos.harness.tools.ledger import (
     parse_size,
     size_text,
 )
+from kvchaos.harness.tools.soak_html import render_html
 from kvchaos.harness.tools.soak_space import generate_scenario, parse_shard, shard_seed
 from kvchaos.harness.tools.soak_summary import (
     EXIT_DISK_CAP,
@@ -61,7 +62,6 @@ from kvchaos.harness.tools.soak_summary import (
     VERDICT_CODE,
     inconclusive_causes,
     live_panel,
-    render_html,
     render_md,
     summary_of,
 )
@@ -144,6 +144,7 @@ class Soak:
         self.unexpected: list[dict] = []  # capped: the ledger has them all
         self.nondet: list[dict] = []
         self.runs = self.steps = self.replays = self.cut = 0
+        self.hit_rates: list[dict] = []  # runs with a prefix cache: their metrics
         self.first_seed = self.last_seed = None
         self.rss: dict = {}
         self._last_rss = 0.0
@@ -194,12 +195,15 @@ class Soak:
             "command": res["replay"],
             "fingerprints": fingerprints(res, job["scenario"].get("faults", [])),
             "ended": ended,
+            "prefix_cache": (res.get("metrics") or {}).get("prefix_cache"),
         }
 
     def _record(self, job: dict, r: dict, duration: float) -> int:
         seed = job["seed"]
         self.runs += 1
         self.steps += r["steps"]
+        if r.get("prefix_cache"):
+            self.hit_rates.append(r["prefix_cache"])
         self.counts[r["verdict"]] += 1
         self.first_seed = seed if self.first_seed is None else self.first_seed
         self.last_seed = seed

@@ -1,0 +1,167 @@
+"""The reference manager with prefix caching (protocol v2), as vLLM v1 and nano-vllm do it, on
+PrefixBlockPool: a new request reuses the blocks of its longest cached prefix (ref count up, no
+recompute); a block is keyed once full and computed (end_step); a freed keyed block stays
+revivable until allocate evicts it (LRU). The engine builds the block table (BuiltTable).
+
+Invariants (tests/test_prefix_manager.py checks them after every operation), beside P1-P4:
+  M1  ref[b] == number of sequences whose block list holds b
+  M2  tokens[s] has one id per slot s holds: len(blocks[s]) == ceil(len(tokens[s]) / bs)
+  M3  a keyed block is full and computed: the first keyed[s] blocks of s, never written again
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvchaos.engine.block_pool import PrefixBlockPool
+from kvchaos.engine.errors import OutOfBlocks
+from kvchaos.engine.protocols import Reason, Snapshot
+
+
+def _key_text(k) -> str | None:
+    return None if k is None else (k.hex() if isinstance(k, bytes) else str(k))
+
+
+class PrefixCachingManager:
+    kvchaos_protocol = 2
+    capabilities = frozenset(
+        {"fork", "seq_tokens", "prefix_cache", "cache_state", "estimates", "append_decode"}
+        | {"end_step"}
+    )
+    reserved_blocks: tuple[int, ...] = ()
+
+    def __init__(self, num_blocks: int, block_size: int, pool: PrefixBlockPool | None = None):
+        self.block_size = block_size
+        self.pool = pool or PrefixBlockPool(num_blocks, block_size)
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}  # the ids it holds slots for, in order
+        self.keyed: dict[str, int] = {}  # leading blocks keyed (full and computed)
+        self.last_key: dict[str, object] = {}  # key of block keyed[s] - 1: the next one's parent
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return self.blocks[seq_id]
+
+    def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int:
+        """Free blocks an append of num_new_tokens takes, copy-on-write included."""
+        bs, have = self.block_size, len(self.tokens[seq_id])
+        need = -(-(have + num_new_tokens) // bs) - -(-have // bs)
+        blocks = self.blocks[seq_id]
+        if have % bs and num_new_tokens and self.pool.ref[blocks[-1]] > 1:
+            need += 1
+        return need
+
+    # -- mutations -----------------------------------------------------------------------------
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], num_new_tokens: int, max_computed: int
+    ) -> int:
+        """Reuse the longest cached prefix of whole blocks within max_computed tokens, then
+        reserve slots for num_new_tokens after it. Touch before allocate: else allocate could
+        evict a block of the hit. Atomic."""
+        if seq_id in self.blocks:
+            raise ValueError(f"admit of sequence {seq_id}, which holds blocks")
+        pool, bs = self.pool, self.block_size
+        hit = pool.match_prefix(token_ids[: max(0, max_computed)])
+        h = len(hit) * bs
+        total = h + min(num_new_tokens, len(token_ids) - h)
+        revive = sum(1 for b in hit if pool.ref[b] == 0)  # a revive takes a queued block
+        need = revive + -(-total // bs) - len(hit)
+        if need > pool.num_free:
+            raise OutOfBlocks(f"sequence {seq_id}: {need} blocks needed, {pool.num_free} free")
+        for b in hit:
+            pool.touch(b)
+        blocks = hit + [pool.allocate() for _ in range(-(-total // bs) - len(hit))]
+        self.blocks[seq_id], self.tokens[seq_id] = blocks, list(token_ids[:total])
+        self.keyed[seq_id] = len(hit)
+        self.last_key[seq_id] = pool.key[hit[-1]] if hit else None
+        return h
+
+    def append(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Slots for these tokens, next in order; copy-on-write of a shared partial last block."""
+        n = len(token_ids)
+        need = self.blocks_needed(seq_id, n)
+        if need > self.pool.num_free:
+            raise OutOfBlocks(f"sequence {seq_id}: {n} tokens need {need} blocks, fewer free")
+        pool, bs = self.pool, self.block_size
+        blocks, toks = self.blocks[seq_id], self.tokens[seq_id]
+        copies = []
+        if n and len(toks) % bs and pool.ref[blocks[-1]] > 1:
+            src, dst = blocks[-1], pool.allocate()
+            pool.free(src)
+            blocks[-1] = dst
+            copies.append((src, dst))
+        toks.extend(token_ids)
+        while len(blocks) * bs < len(toks):
+            blocks.append(pool.allocate())
+        return copies
+
+    def append_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int]):
+        """append(s, [t]) for every s, all or nothing."""
+        if sum(self.blocks_needed(s, 1) for s in seq_ids) > self.pool.num_free:
+            raise OutOfBlocks(f"decode of {len(seq_ids)} sequences needs more blocks than free")
+        copies: list[tuple[int, int]] = []
+        for s, t in zip(seq_ids, token_ids):
+            copies += self.append(s, [t])
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if child_id in self.blocks:
+            raise ValueError(f"sequence {child_id} already holds blocks")
+        blocks = list(self.blocks[parent_id])
+        for b in blocks:
+            self.pool.touch(b)
+        self.blocks[child_id], self.tokens[child_id] = blocks, list(self.tokens[parent_id])
+        self.keyed[child_id] = self.keyed[parent_id]
+        self.last_key[child_id] = self.last_key[parent_id]
+
+    def end_step(self, computed: dict[str, int]) -> None:
+        """Key each block that is now full and computed (M3): a block is served only once its
+        KV is written."""
+        pool, bs = self.pool, self.block_size
+        for s, n in computed.items():
+            blocks, toks, i, k = self.blocks[s], self.tokens[s], self.keyed[s], self.last_key[s]
+            full = min(n, len(toks)) // bs
+            while i < full:
+                k = pool.cache_full_block(blocks[i], k, toks[i * bs : (i + 1) * bs])
+                i += 1
+            self.keyed[s], self.last_key[s] = i, k
+
+    def release(self, seq_id: str, reason: Reason) -> bool:
+        """Any reason frees every block, tail first (the tail is evicted first). Only computed
+        blocks are keyed (end_step), so an 'error' release leaves no key over unwritten slots."""
+        blocks = self.blocks.pop(seq_id, None)
+        if blocks is None:
+            return False
+        del self.tokens[seq_id], self.keyed[seq_id], self.last_key[seq_id]
+        for b in reversed(blocks):
+            self.pool.free(b)
+        return True
+
+    # -- observation ---------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        pool = self.pool
+        return Snapshot(
+            num_blocks=pool.num_blocks,
+            free=pool.free_order(),
+            ref_counts=list(pool.ref),
+            seq_blocks={s: list(b) for s, b in self.blocks.items()},
+            seq_tokens={s: len(t) for s, t in self.tokens.items()},
+            reserved=list(self.reserved_blocks),
+            cache=[
+                {
+                    "block": b,
+                    "key": _key_text(k),
+                    "parent": _key_text(pool.parent[b]),
+                    "tokens": list(pool.tokens[b]),
+                }
+                for k, b in pool.cache.items()
+            ],
+        )
