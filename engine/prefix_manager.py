@@ -30,7 +30,15 @@ class PrefixCachingManager:
     )
     reserved_blocks: tuple[int, ...] = ()
 
-    def __init__(self, num_blocks: int, block_size: int, pool: PrefixBlockPool | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int = 0,  # the house's constructor shape; the engine's table has the rows
+        max_blocks_per_seq: int = 0,
+        *,
+        pool: PrefixBlockPool | None = None,
+    ):
         self.block_size = block_size
         self.pool = pool or PrefixBlockPool(num_blocks, block_size)
         self.blocks: dict[str, list[int]] = {}
@@ -160,7 +168,7 @@ class PrefixCachingManager:
                     "block": b,
                     "key": _key_text(k),
                     "parent": _key_text(pool.parent[b]),
-                    "tokens": list(pool.tokens[b]),
+                    "tokens": None if pool.tokens[b] is None else list(pool.tokens[b]),
                 }
                 for k, b in pool.cache.items()
             ],

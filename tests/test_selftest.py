@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.harness.cli import main
 from kvchaos.harness.judge.scenario import load_scenario
 from kvchaos.harness.tools import selftest
@@ -30,6 +31,7 @@ FAMILIES = {
     "row reuse",
     "admission",
     "snapshot",
+    "prefix cache",
 }
 # The cheapest run (scenario, seed) that kills each canary by a finding, as measured. Most die on
 # baseline-clean; a resize only happens under the resize policy; the admission canary's partial
@@ -37,6 +39,12 @@ FAMILIES = {
 KILLING_RUN = {c.name: ("baseline-clean", 0) for c in CANARIES}
 KILLING_RUN["resize-keeps-first-row"] = ("table-overflow-resize-clean", 0)
 KILLING_RUN["admission-floor"] = ("refcount-leak-clean", 2)
+PREFIX = [c for c in CANARIES if c.family == "prefix cache"]
+for c in PREFIX:  # equal blocks after different prefixes come only with segments
+    KILLING_RUN[c.name] = (
+        f"prefix-{'segments' if c.name == 'hit-ignores-parent' else 'shared'}-clean",
+        0,
+    )
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -53,7 +61,8 @@ def test_one_canary_per_family_each_a_distinct_manager():
     assert {c.family for c in CANARIES} == FAMILIES
     assert len({c.name for c in CANARIES}) == len({c.manager for c in CANARIES}) == len(CANARIES)
     for c in CANARIES:
-        assert issubclass(c.manager, BlockManager) and c.manager is not BlockManager
+        ref = PrefixCachingManager if c.family == "prefix cache" else BlockManager
+        assert issubclass(c.manager, ref) and c.manager is not ref
         assert c.bug and c.family in c.manager.__doc__, c.name  # says which family it breaks
 
 
@@ -69,8 +78,21 @@ def test_every_canary_is_killed_by_a_finding_and_the_reference_survives_the_same
         assert k.known_at is not None and k.known_at >= k.step >= 0
         assert c.manager.__name__ in k.replay  # the kill can be re-run with its reports
     jobs = sorted(set(KILLING_RUN.values()))
-    control = hunt("reference", "control", "", BlockManager, [(scenarios[n], s) for n, s in jobs])
-    assert control.status == SURVIVED and control.runs == len(jobs), control.message
+    for ref in (BlockManager, PrefixCachingManager):
+        control = hunt("reference", "control", "", ref, [(scenarios[n], s) for n, s in jobs])
+        assert control.status == SURVIVED and control.runs == len(jobs), control.message
+
+
+@pytest.mark.slow
+def test_every_prefix_cache_canary_is_caught_on_20_seeds():
+    """The issue's bar: 20/20 seeds, over the four prefix workloads (first finding per seed)."""
+    scs = [
+        load_scenario(f"prefix-{n}-clean") for n in ("shared", "multiturn", "samples", "segments")
+    ]
+    for c in PREFIX:
+        for seed in range(20):
+            k = hunt(c.name, c.family, c.bug, c.manager, [(sc, seed) for sc in scs])
+            assert k.status == FINDING, (c.name, seed, k.status)
 
 
 def _run(verdict, *findings):

@@ -3,7 +3,8 @@
 `kvchaos selftest` runs each through the clean scenarios; a canary that survives is a blind spot
 of the harness (TigerBeetle's VOPR practice: test the tester). Each bug is one a user could ship:
 an off-by-one, a forgotten step, a fast path that skips what the slow path does. Each is a small
-subclass of kvchaos.engine.block_manager.BlockManager that differs from it by that one bug; where
+subclass of the reference (kvchaos.engine.block_manager.BlockManager; for the prefix-cache
+family kvchaos.engine.prefix_manager.PrefixCachingManager) that differs by that one bug; where
 the buggy line sits deep in a reference method, the override lets the reference run and then
 takes back what the buggy line would never have done (same state, a fraction of the code)."""
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvchaos.engine.block_manager import BlockManager, BlockPool
+from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.engine.errors import OutOfBlocks
+from kvchaos.engine.prefix_manager import PrefixCachingManager
 
 
 class _HotBlockPool(BlockPool):
@@ -242,6 +245,148 @@ class SnapshotStale(BlockManager):
         return self._cached[1]
 
 
+# -- the prefix cache: bugs shipped in real managers' hit and eviction paths -------------------
+class _ParentBlindPool(PrefixBlockPool):
+    """Keys a block by its own token ids alone and checks only those on a hit."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size, hash_fn=lambda parent, toks: hash(toks))
+
+    def match_prefix(self, token_ids):
+        bs, blocks = self.block_size, []
+        for i in range(0, len(token_ids) - bs + 1, bs):
+            toks = tuple(token_ids[i : i + bs])
+            b = self.cache.get(hash(toks))
+            if b is None or self.tokens[b] != toks:
+                break
+            blocks.append(b)
+        return blocks
+
+
+class HitIgnoresParent(PrefixCachingManager):
+    """prefix cache hit: the key hashes a block's own tokens, not its parent's key, so equal blocks after
+    different prefixes share KV computed for another context (and other positions)."""
+
+    def __init__(self, num_blocks, block_size, *rest):
+        super().__init__(num_blocks, block_size, pool=_ParentBlindPool(num_blocks, block_size))
+
+
+class HitOneTokenLong(PrefixCachingManager):
+    """prefix cache hit: answers the matched length + 1 (a `<=` for `<` in the match loop), so the engine skips
+    computing a token whose slot was never written."""
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        h = super().admit(seq_id, token_ids, num_new_tokens, max_computed)
+        return h + 1 if h else 0
+
+
+class _KeepQueuedOnRevive(PrefixBlockPool):
+    def touch(self, b: int) -> None:
+        self.ref[b] += 1  # revived without leaving the free queue: allocate may hand it out
+
+
+class ReviveWithoutUnlink(PrefixCachingManager):
+    """prefix cache revive: a cached free block taken by a hit stays in the free queue, so allocate hands the
+    held block to another request, which overwrites it."""
+
+    def __init__(self, num_blocks, block_size, *rest):
+        super().__init__(num_blocks, block_size, pool=_KeepQueuedOnRevive(num_blocks, block_size))
+
+
+class _TrustingPool(PrefixBlockPool):
+    def allocate(self) -> int:
+        b = self._next[self.num_blocks]
+        if not self.num_free:
+            raise OutOfBlocks("no free block")
+        self._unlink(b)
+        self.key[b] = self.parent[b] = self.tokens[b] = None  # cache[k] -> b stays behind
+        self.ref[b] = 1
+        return b
+
+    def match_prefix(self, token_ids):
+        bs, k, blocks = self.block_size, None, []
+        for i in range(0, len(token_ids) - bs + 1, bs):
+            k = self.hash_fn(k, tuple(token_ids[i : i + bs]))
+            b = self.cache.get(k)  # the key is trusted: no token check
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def touch(self, b: int) -> None:
+        if self.ref[b] == 0:
+            self._unlink(b)
+        self.ref[b] += 1
+
+    def cache_full_block(self, b, parent_key, token_ids):
+        k = self.hash_fn(parent_key, tuple(token_ids))
+        if k not in self.cache and self.key[b] is None:
+            self.cache[k] = b
+            self.key[b], self.parent[b], self.tokens[b] = k, parent_key, tuple(token_ids)
+        return k
+
+
+class EvictKeepsEntry(PrefixCachingManager):
+    """prefix cache evict: allocate clears the block's key but leaves the cache's entry pointing at it, and a
+    hit trusts the entry, so it serves a block re-allocated and overwritten since."""
+
+    def __init__(self, num_blocks, block_size, *rest):
+        super().__init__(num_blocks, block_size, pool=_TrustingPool(num_blocks, block_size))
+
+
+class AllocateBeforeTouch(PrefixCachingManager):
+    """prefix cache admit: allocates the new blocks before taking its hit, so allocate may evict a block of
+    the hit itself and hand it out again as a new block of the same request."""
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        pool, bs = self.pool, self.block_size
+        hit = pool.match_prefix(token_ids[: max(0, max_computed)])
+        h = len(hit) * bs
+        total = h + min(num_new_tokens, len(token_ids) - h)
+        new = -(-total // bs) - len(hit)
+        if new + sum(pool.ref[b] == 0 for b in hit) > pool.num_free:
+            raise OutOfBlocks(f"sequence {seq_id}: no room")
+        fresh = [pool.allocate() for _ in range(new)]  # may evict a block of the hit
+        for b in hit:
+            pool.touch(b)
+        self.blocks[seq_id], self.tokens[seq_id] = hit + fresh, list(token_ids[:total])
+        self.keyed[seq_id], self.last_key[seq_id] = len(hit), pool.key[hit[-1]] if hit else None
+        return h
+
+
+class _SkipTouchPool(PrefixBlockPool):
+    skip = False
+
+    def touch(self, b: int) -> None:
+        if not self.skip:
+            super().touch(b)
+
+
+class HitWithoutIncref(PrefixCachingManager):
+    """prefix cache hit: the served blocks are not referenced (the touch is missing) and so not released
+    either: the owner's free queues them while the reader still reads them, and allocate
+    re-hands them."""
+
+    def __init__(self, num_blocks, block_size, *rest):
+        super().__init__(num_blocks, block_size, pool=_SkipTouchPool(num_blocks, block_size))
+        self.borrowed: dict[str, int] = {}
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        self.pool.skip = True
+        try:
+            h = super().admit(seq_id, token_ids, num_new_tokens, max_computed)
+        finally:
+            self.pool.skip = False
+        self.borrowed[seq_id] = h // self.block_size
+        return h
+
+    def release(self, seq_id, reason):
+        n = self.borrowed.pop(seq_id, 0)
+        if seq_id in self.blocks:
+            self.blocks[seq_id] = self.blocks[seq_id][n:]  # never referenced: not freed
+        return super().release(seq_id, reason)
+
+
 @dataclass(frozen=True)
 class Canary:
     name: str
@@ -266,4 +411,10 @@ CANARIES = [
     Canary("row-from-count", "row reuse", RowFromCount),
     Canary("admission-floor", "admission", AdmissionFloor),
     Canary("snapshot-stale", "snapshot", SnapshotStale),
+    Canary("hit-ignores-parent", "prefix cache", HitIgnoresParent),
+    Canary("hit-one-token-long", "prefix cache", HitOneTokenLong),
+    Canary("revive-without-unlink", "prefix cache", ReviveWithoutUnlink),
+    Canary("evict-keeps-entry", "prefix cache", EvictKeepsEntry),
+    Canary("allocate-before-touch", "prefix cache", AllocateBeforeTouch),
+    Canary("hit-without-incref", "prefix cache", HitWithoutIncref),
 ]

@@ -59,6 +59,7 @@ class Kill:
 # Wall-clock checkers: a neighbour on a shared machine can fire them, and no replay reproduces
 # that, so they neither kill a canary nor flag the control (the canaries are correctness bugs).
 TIMING = ("latency",)
+PREFIX_FAMILY = "prefix cache"
 
 
 def is_crash(f) -> bool:
@@ -143,12 +144,21 @@ def parse_seeds(text: str | None) -> list[int]:
 def selftest(canaries: list[Canary], scenarios, seeds: list[int], device: str = "cpu"):
     """(kills, control): each canary's Kill, and the reference manager's over every job."""
     from kvchaos.engine.block_manager import BlockManager
+    from kvchaos.engine.prefix_manager import PrefixCachingManager
 
     jobs = [(sc, seed) for sc in scenarios for seed in seeds]
     kills = [hunt(c.name, c.family, c.bug, c.manager, jobs, device) for c in canaries]
-    # the control runs every job: one FAIL anywhere voids the table
-    bug = "none: kvchaos.engine.block_manager:BlockManager"
-    control = hunt("reference", "control", bug, BlockManager, jobs, device, stop=False)
+    # the controls run every job: one FAIL anywhere voids the table. Each canary's reference:
+    # the plain manager and, for the prefix-cache family, the one with prefix caching.
+    refs = [BlockManager]
+    refs += [PrefixCachingManager] if any(c.family == PREFIX_FAMILY for c in canaries) else []
+    controls = [
+        hunt("reference", "control", f"none: {m.__module__}:{m.__name__}", m, jobs, device, False)
+        for m in refs
+    ]
+    control = max(controls, key=lambda k: RANK.index(k.status))
+    control.runs = sum(k.runs for k in controls)
+    control.bug = ", ".join(k.bug for k in controls)
     return kills, control
 
 
