@@ -138,7 +138,7 @@ def test_prefix_workloads_pass_with_the_cache_on_and_report_a_hit_rate(name, tmp
     from kvchaos.harness.report.render import publish
 
     sc = load_scenario(f"scenarios/prefix-{name}-clean.toml")
-    sc.engine.setdefault("cache", {})["prefix_caching"] = True
+    assert sc.engine["cache"]["prefix_caching"] is True
     r = run_scenario(sc, 0, report_dir=tmp_path)
     assert r.verdict == "PASS", r.summary
     pc = r.results["metrics"]["prefix_cache"]
