@@ -74,6 +74,10 @@ def state_change(before, after) -> str | None:
         )
     if before.seq_rows != after.seq_rows or before.table != after.table:
         out.append("table rows")
+    cached = [{(e["block"], e["key"]) for e in s.cache or ()} for s in (before, after)]
+    if cached[0] != cached[1]:
+        gone, new = sorted(cached[0] - cached[1]), sorted(cached[1] - cached[0])
+        out.append(f"prefix cache: {len(gone)} entries gone {gone[:2]}, {len(new)} new {new[:2]}")
     return "; ".join(out) or None
 
 

@@ -145,3 +145,31 @@ def test_prefix_workloads_pass_with_the_cache_on_and_report_a_hit_rate(name, tmp
     assert pc["hit_tokens"] > 0 and 0 < pc["hit_rate"] < 1
     publish(r)
     assert "prefix cache</th><td>hit rate" in (r.run_dir / "report.html").read_text()
+
+
+class RollbackForgetsCache(PrefixCachingManager):
+    """A non-atomic admission that wants a block of lookahead: takes blocks one by one (allocate
+    evicts cached entries on the way) and gives them back on running out, the evicted entries
+    lost: a refusal that changed the cache."""
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        pool, taken = self.pool, []
+        try:
+            for _ in range(-(-min(num_new_tokens, len(token_ids)) // self.block_size) + 1):
+                taken.append(pool.allocate())
+        finally:
+            for b in taken:
+                pool.free(b)
+        return super().admit(seq_id, token_ids, num_new_tokens, max_computed)
+
+
+def test_a_refusal_that_evicted_cache_entries_is_recorded_and_judged():
+    cfg = config(True, num_blocks=4)
+    eng = Engine(cfg, RollbackForgetsCache(4, BS))
+    events = []
+    eng.seams.on_event = lambda kind, data: events.append((kind, data))
+    serve(eng, [("a", PROMPT[:8])], new=1)  # its 2 blocks cached, then free
+    eng.add_request("b", [20 + i for i in range(15)], 1)  # fits the estimate (4), not lookahead
+    eng.step()
+    refusals = [d for k, d in events if k == "refusal"]
+    assert refusals and "prefix cache: 2 entries gone" in refusals[0]["changed"]
