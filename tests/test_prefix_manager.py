@@ -106,7 +106,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert holders == pool.ref  # M1
         snap = m.snapshot()
         assert len(snap.free) == m.num_free_blocks
-        assert {e["block"] for e in snap.cache} == {b for b in range(POOL) if pool.key[b] is not None}
+        keyed = {b for b in range(POOL) if pool.key[b] is not None}
+        assert {e["block"] for e in snap.cache} == keyed
 
 
 TestManagerMachine = ManagerMachine.TestCase

@@ -264,16 +264,16 @@ class _ParentBlindPool(PrefixBlockPool):
 
 
 class HitIgnoresParent(PrefixCachingManager):
-    """prefix cache hit: the key hashes a block's own tokens, not its parent's key, so equal blocks after
-    different prefixes share KV computed for another context (and other positions)."""
+    """prefix cache hit: the key hashes a block's own tokens, not its parent's key, so equal blocks
+    after different prefixes share KV computed for another context (and other positions)."""
 
     def __init__(self, num_blocks, block_size, *rest):
         super().__init__(num_blocks, block_size, pool=_ParentBlindPool(num_blocks, block_size))
 
 
 class HitOneTokenLong(PrefixCachingManager):
-    """prefix cache hit: answers the matched length + 1 (a `<=` for `<` in the match loop), so the engine skips
-    computing a token whose slot was never written."""
+    """prefix cache hit: answers the matched length + 1 (a `<=` for `<` in the match loop), so the
+    engine skips computing a token whose slot was never written."""
 
     def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
         h = super().admit(seq_id, token_ids, num_new_tokens, max_computed)
@@ -286,8 +286,8 @@ class _KeepQueuedOnRevive(PrefixBlockPool):
 
 
 class ReviveWithoutUnlink(PrefixCachingManager):
-    """prefix cache revive: a cached free block taken by a hit stays in the free queue, so allocate hands the
-    held block to another request, which overwrites it."""
+    """prefix cache revive: a cached free block taken by a hit stays in the free queue, so allocate
+    hands the held block to another request, which overwrites it."""
 
     def __init__(self, num_blocks, block_size, *rest):
         super().__init__(num_blocks, block_size, pool=_KeepQueuedOnRevive(num_blocks, block_size))
@@ -327,16 +327,16 @@ class _TrustingPool(PrefixBlockPool):
 
 
 class EvictKeepsEntry(PrefixCachingManager):
-    """prefix cache evict: allocate clears the block's key but leaves the cache's entry pointing at it, and a
-    hit trusts the entry, so it serves a block re-allocated and overwritten since."""
+    """prefix cache evict: allocate clears the block's key but leaves the cache's entry pointing at
+    it, and a hit trusts the entry, so it serves a block re-allocated and overwritten since."""
 
     def __init__(self, num_blocks, block_size, *rest):
         super().__init__(num_blocks, block_size, pool=_TrustingPool(num_blocks, block_size))
 
 
 class AllocateBeforeTouch(PrefixCachingManager):
-    """prefix cache admit: allocates the new blocks before taking its hit, so allocate may evict a block of
-    the hit itself and hand it out again as a new block of the same request."""
+    """prefix cache admit: allocates the new blocks before taking its hit, so allocate may evict a
+    block of the hit itself and hand it out again as a new block of the same request."""
 
     def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
         pool, bs = self.pool, self.block_size
@@ -363,8 +363,8 @@ class _SkipTouchPool(PrefixBlockPool):
 
 
 class HitWithoutIncref(PrefixCachingManager):
-    """prefix cache hit: the served blocks are not referenced (the touch is missing) and so not released
-    either: the owner's free queues them while the reader still reads them, and allocate
+    """prefix cache hit: the served blocks are not referenced (the touch is missing) and so not
+    released either: the owner's free queues them while the reader still reads them, and allocate
     re-hands them."""
 
     def __init__(self, num_blocks, block_size, *rest):
