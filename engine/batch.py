@@ -94,8 +94,31 @@ class BatchBuilder:
             )
         if self.record_writes:
             self._record_writes(decode, prefill, [m[0] for m in metas])
+        if self.seams.on_batch is not None:
+            self._report_batch(
+                decode, prefill, tok, pos, lambda r: (metas[r][0], metas[r][1], metas[r][3])
+            )
         self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
+
+    def _report_batch(self, decode, prefill, tok: list, pos: list, meta_of) -> None:
+        """Tell the on_batch seam what each rank writes and reads this step, from that rank's own
+        metadata (meta_of(rank): its slots, decode tables and prefill chunks). Reads are the row
+        entries the kernel reads for positions [0, n_ctx): a decode token's [0, pos], a chunk's
+        [0, start + n) (its own positions, written first, too); an unused entry (-1) reads block
+        0. A rank whose table equals rank 0's computes as rank 0 does: not reported."""
+        bs, report, ranks = self.bm.block_size, self.seams.on_batch, self.ranks.ranks
+        seqs = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
+        ctx = [(s.id, p + 1) for s, p in zip(decode, pos)]
+        ctx += [(s.id, s.num_computed + n) for s, n in prefill]
+        for r in range(len(ranks)):
+            if r and torch.equal(ranks[r].content(), ranks[0].content()):
+                continue
+            slots, dec_tables, chunks = meta_of(r)
+            rows = dec_tables.clamp(min=0).tolist() if decode else []
+            rows += [c[3].clamp(min=0).tolist() for c in chunks]
+            reads = [(seq, n, row[: -(-n // bs)]) for (seq, n), row in zip(ctx, rows)]
+            report(r, reads, list(zip(seqs, pos, tok, slots.tolist())))
 
     def _record_writes(self, decode, prefill, slots_by_rank: list[torch.Tensor]) -> None:
         """The blocks each rank's writes land in, by sequence (the harness's record)."""

@@ -153,6 +153,13 @@ class DistEngine(Engine):
         if self.record_writes:  # another rank writes through the table sent it (its crc says so)
             slots = [self.shard.slots(b, r.content()) for r in links[1:]]
             self._record_writes(decode, prefill, [metas[0], *slots])
+        if self.seams.on_batch is not None:
+
+            def meta_of(r: int):  # what rank r computes with: the table sent it
+                slots, dec, chunks = self.shard.resolve(b, links[r].content()) if r else metas
+                return slots, dec and dec[0], chunks
+
+            self._report_batch(decode, prefill, tok, pos, meta_of)
         return b.tokens, b.positions, metas
 
     def _attend(self, nd: int, metas):

@@ -42,3 +42,7 @@ class Seams:
     on_event: Callable[[str, dict], None] = field(default=_ignore)
     # Called once a step's table is uploaded, before any rank computes: the table the kernels read.
     on_upload: Callable[[], None] = field(default=_nothing)
+    # Set: told each step's batch as each rank computes it, on_batch(rank, reads, writes); writes
+    # (seq, pos, token, slot) per computed token, reads (seq, n_ctx, blocks) per sequence. None
+    # (the default) costs nothing (Engine._build_batch).
+    on_batch: Callable[[int, list, list], None] | None = None

@@ -102,10 +102,12 @@ class Shard:
         ent = torch.cat(ent).clamp_(max=flat.numel() - 1)
         return flat[ent].long() * bs + p % bs
 
-    def resolve(self, b: Batch):
-        """Slot mapping and attention tables through this rank's own table. Flat addressing: an
-        overlong row reads on into the next one, as a kernel would (as Engine._build_batch)."""
-        flat, bs, dev = self.table.table, self.bs, self.device
+    def resolve(self, b: Batch, flat: torch.Tensor | None = None):
+        """Slot mapping and attention tables through this rank's own table (or flat: another
+        rank's, as rank 0 knows it). Flat addressing: an overlong row reads on into the next one,
+        as a kernel would (as Engine._build_batch)."""
+        flat = self.table.table if flat is None else flat
+        bs, dev = self.bs, self.device
         last = flat.numel() - 1
         dec, chunks = None, []
         nd = len(b.bases)

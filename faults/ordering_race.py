@@ -103,4 +103,10 @@ class OrderingRace(Fault):
         if finding["checker"] == "oracle_divergence":
             live = {r for x in stale for r in x["requests"]}
             return "cause" if ev.get("req") in live else None
+        if finding["checker"] == "kv_reads":  # a rank's own record: it read or wrote stale
+            lagged = {r for x in stale if x["step"] <= finding["step"] for r in x["ranks"]}
+            now = next((x for x in stale if x["step"] == finding["step"]), {"ranks": []})
+            held = ev.get("block") in set(truth["touched"]["blocks"])
+            if ev.get("rank") in lagged and (held or ev.get("rank") in now["ranks"]):
+                return "consequence" if finding.get("kind") == "poisoned_read" else "cause"
         return None

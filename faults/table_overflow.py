@@ -159,6 +159,10 @@ class TableOverflow(Fault):
             return "cause"
         if finding["checker"] == "oracle_divergence" and ev.get("req") in reqs:
             return "cause"
+        if finding["checker"] == "kv_reads" and (
+            ev.get("req") in reqs or ev.get("block") in set(truth["touched"]["blocks"])
+        ):  # read through a spilled entry, or KV a spilled write left
+            return "consequence" if finding.get("kind") == "poisoned_read" else "cause"
         if finding.get("kind") in ("starvation", "unfinished") and ev.get("blocking") in set(
             truth.get("overlong", [])
         ):

@@ -11,8 +11,11 @@ import sys
 import time
 
 from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import OutOfBlocks
+from kvchaos.engine.prefix_manager import PrefixCachingManager
+from kvchaos.engine.protocols import Snapshot
 
 HIDDEN = "__reserve__"  # a manager's own holder of preallocated blocks
 
@@ -389,3 +392,110 @@ class HangsWhenBuilt(BlockManager):
 class ExitsWhenBuilt(BlockManager):
     def __init__(self, *a) -> None:
         os._exit(3)
+
+
+# -- protocol v2 (kvchaos_protocol = 2) ---------------------------------------------------------
+class PlainV2:
+    """Protocol v2 as a user's first manager: no prefix cache (admit answers 0), no fork, no
+    table (the engine builds it from block_ids), block 0 reserved as vLLM reserves its null block.
+    A refusal changes nothing; release is idempotent."""
+
+    kvchaos_protocol = 2
+    capabilities = frozenset({"seq_tokens"})
+    reserved_blocks = (0,)
+
+    def __init__(self, num_blocks, block_size, max_num_seqs=None, max_blocks_per_seq=None):
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        # pop() hands out low ids first
+        self.free = [b for b in range(num_blocks - 1, -1, -1) if b not in self.reserved_blocks]
+        self.blocks: dict[str, list[int]] = {}
+        self.tokens: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ref)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _grow(self, seq_id, n) -> None:
+        blocks = self.blocks[seq_id]
+        need = -(-(self.tokens[seq_id] + n) // self.block_size) - len(blocks)
+        if need > len(self.free):
+            raise OutOfBlocks(f"{seq_id}: needs {need} blocks, {len(self.free)} free")
+        for _ in range(need):
+            b = self.free.pop()
+            self.ref[b] = 1
+            blocks.append(b)
+        self.tokens[seq_id] += n
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        self.blocks[seq_id], self.tokens[seq_id] = [], 0
+        try:
+            self._grow(seq_id, min(num_new_tokens, len(token_ids)))
+        except OutOfBlocks:
+            del self.blocks[seq_id], self.tokens[seq_id]
+            raise
+        return 0
+
+    def append(self, seq_id, token_ids):
+        self._grow(seq_id, len(token_ids))
+        return []
+
+    def block_ids(self, seq_id):
+        return self.blocks[seq_id]
+
+    def release(self, seq_id, reason):
+        if seq_id not in self.blocks:
+            return False
+        for b in reversed(self.blocks.pop(seq_id)):
+            self.ref[b] = 0
+            self.free.append(b)
+        del self.tokens[seq_id]
+        return True
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            len(self.ref),
+            list(self.free),
+            list(self.ref),
+            {s: list(b) for s, b in self.blocks.items()},
+            seq_tokens=dict(self.tokens),
+            reserved=list(self.reserved_blocks),
+        )
+
+
+class HandsOutNullBlock(PlainV2):
+    """Declares block 0 reserved, then hands it out first (its free list forgot the rule)."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.free.append(0)
+
+
+# -- prefix caches (tests/test_kv_record.py) ----------------------------------------------------
+class _TrustsParentKeys(PrefixBlockPool):
+    """Past the verified match, serves one more block keyed under the match's last key, whatever
+    its tokens: the first block another request wrote after a shared template."""
+
+    def match_prefix(self, token_ids):
+        blocks, bs = super().match_prefix(token_ids), self.block_size
+        if blocks and (len(blocks) + 1) * bs <= len(token_ids):
+            k = self.key[blocks[-1]]
+            extra = next(
+                (b for b, p in enumerate(self.parent) if p == k and self.key[b] is not None), None
+            )
+            if extra is not None:
+                blocks.append(extra)
+        return blocks
+
+
+class HitPastItsMatch(PrefixCachingManager):
+    """The reference prefix cache on a pool that trusts a parent key alone for one block past
+    its match: a request sharing a template with an earlier one reads that one's KV for other
+    tokens (the earlier one only holds it, or held it)."""
+
+    def __init__(self, num_blocks, block_size, *_) -> None:
+        super().__init__(num_blocks, block_size, pool=_TrustsParentKeys(num_blocks, block_size))

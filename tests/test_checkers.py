@@ -562,6 +562,7 @@ def test_run_checkers_runs_every_checker_and_passes_options():
         "cross_rank": "not judged",
         "manager_calls": "held",
         "admission": "not judged",
+        "kv_reads": "not judged",
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import traceback
 from typing import Callable
 
+from kvchaos.harness.judge.cache_checks import check_kv_reads
 from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
 from kvchaos.harness.judge.latency import check_latency
 from kvchaos.harness.judge.manager_checks import check_admission, check_manager_calls
@@ -81,6 +82,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
     found, ended, cancels = [], {}, {}
     snaps = 0
     seen_leaks: set[str] = set()
+    seen_reserved: set[int] = set()
     start = next(iter(_of(events, "run_start")), {})
     bs = start.get("config", {}).get("cache", {}).get("block_size")
     tokens: dict[str, int] = {}
@@ -96,19 +98,24 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             snaps += 1
             s = e["step"]
             ref, free, total = e["ref_counts"], e["free"], e["num_blocks"]
-            held = sum(1 for r in ref if r > 0)
-            if len(free) + held != total or len(set(free)) != len(free):
+            reserved = set(e.get("reserved") or ())  # never handed out (vLLM's null block)
+            held = sum(1 for b, r in enumerate(ref) if r > 0 and b not in reserved)
+            usable = total - len(reserved)
+            in_free = len(set(free) - reserved)
+            if in_free + held != usable or len(set(free)) != len(free):
                 found.append(
                     Finding(
                         "block_accounting",
                         s,
-                        f"conservation broken: {len(free)} free + {held} "
-                        f"referenced != {total} blocks",
-                        {"free": len(free), "referenced": held, "total": total},
+                        f"conservation broken: {in_free} free + {held} "
+                        f"referenced != {usable} usable blocks",
+                        {"free": in_free, "referenced": held, "total": usable},
                         False,
                         "conservation",
                     )
                 )
+            if reserved:
+                found += _reserved_handed_out(e, reserved, seen_reserved)
             refs = [0] * total
             for blocks in e["seq_blocks"].values():
                 for b in blocks:
@@ -172,7 +179,9 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
         held = {
             b for r, bs in s["seq_blocks"].items() if r in live or r not in submitted for b in bs
         }
-        missing = s["num_blocks"] - len(s["free"]) - len(held - set(s["free"]))
+        reserved = set(s.get("reserved") or ())
+        free = set(s["free"]) - reserved
+        missing = s["num_blocks"] - len(reserved) - len(free) - len(held - free - reserved)
         if missing > 0:
             found.append(
                 Finding(
@@ -181,8 +190,8 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                     f"end of run ({end[-1]['reason']}): {missing} blocks never returned to the "
                     f"pool nor held by a live request",
                     {
-                        "free": len(s["free"]),
-                        "total": s["num_blocks"] - len(held),
+                        "free": len(free),
+                        "total": s["num_blocks"] - len(reserved) - len(held),
                         "live": len(live),
                     },
                     False,
@@ -193,15 +202,43 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
     return _result("block_accounting", found, snaps)
 
 
+def _reserved_handed_out(snap: dict, reserved: set[int], seen: set[int]) -> list[Finding]:
+    """A reserved id (the manager's own word: never handed out) held, free or referenced; once a
+    block."""
+    held = {b: r for r, bs in snap["seq_blocks"].items() for b in bs if b in reserved}
+    free = reserved & set(snap["free"])
+    refs = {b for b in reserved if 0 <= b < len(snap["ref_counts"]) and snap["ref_counts"][b]}
+    bad = sorted((set(held) | free | refs) - seen)
+    if not bad:
+        return []
+    seen.update(bad)
+    b = bad[0]
+    how = f"held by request {held[b]}" if b in held else "free" if b in free else "referenced"
+    return [
+        Finding(
+            "block_accounting",
+            snap["step"],
+            f"reserved block {b} handed out: {how} (the manager reserves {sorted(reserved)[:8]})",
+            {"blocks": bad[:32], "req": held.get(b), "reserved": sorted(reserved)[:32]},
+            False,
+            "reserved_block",
+        )
+    ]
+
+
 def _shared_writes(snap: dict, before: dict[str, int], bs: int) -> list[Finding]:
     """Blocks that receive a sequence's new tokens while another sequence holds them too."""
     out = []
     ref = snap["ref_counts"]
+    # A keyed block is shared by its key (a prefix-cache hit, over the same tokens): vLLM keys a
+    # block as it allocates it, so a hit in the same step shares it before the pass writes its
+    # last slots, legally. What such a block holds is judged by kv_reads, not here.
+    keyed = {c["block"] for c in snap.get("cache") or ()}
     for req, now in snap["seq_tokens"].items():
         was = before.get(req, now)  # a new (or forked) sequence: no write judged yet
         blocks = snap["seq_blocks"].get(req, [])
         for i in range(was // bs, -(-now // bs)) if now > was else ():
-            if i < len(blocks) and ref[blocks[i]] > 1:
+            if i < len(blocks) and ref[blocks[i]] > 1 and blocks[i] not in keyed:
                 out.append(
                     Finding(
                         "block_accounting",
@@ -421,6 +458,7 @@ CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "liveness": check_liveness,
     "manager_calls": check_manager_calls,
     "admission": check_admission,
+    "kv_reads": check_kv_reads,
 }
 
 

@@ -41,6 +41,9 @@ def exercised(events: list[dict]) -> dict:
         "resizes": counters.get("table_resizes", 0),
         "row_reuses": row_reuses,
     }
+    if any(e.get("e") == "kv_record" for e in events):  # the writer record judged reads
+        # slots read that another request wrote (a cache hit, a fork): kv_reads judged sharing
+        paths["shared_kv_reads"] = end.get("kv_record", {}).get("shared_slots", 0)
     start = next((e for e in events if e.get("e") == "run_start"), {})
     caps = set(start.get("capabilities", ["fork"]))
     lacking = [] if "fork" in caps else list(NEEDS_FORK)  # not applicable, never "missed"

@@ -18,14 +18,22 @@ Kinds and their fields:
              running); taken as each step's table is uploaded (the table the kernels read), after
              a step that ran nothing, and once more at the end of the run (stamped one past the
              last step)
-  engine     kind (cow | staging_realloc | ...), data
+  engine     kind (cow | staging_realloc | hit | refusal | table_resync | ...), data; a hit: req,
+             known, answered, used, capped, blocks (those its admission found computed)
+  kv_record  ranks: the per-block writer record is on (a manager offering a prefix cache); step 0
+  kv_read    req (the READER), rank, index (entry of its row), block, slots (offsets in the block
+             read wrongly), pos (its positions there), writer (None: never written), writer_pos,
+             writer_step, via_hit (the block came with req's last cache hit), origin (set: the
+             KV was computed from a wrong read by that request), torn (written in a step that
+             raised); step is the step of the read
   fault      fault, kind ("armed" | "trigger" | "fired"), detail
   oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
              tolerance, divergence_step (engine step of the first divergent token, or null); step is
              the step the request stopped producing tokens. Written when checked: requests are
              checked in batches as they finish or are cancelled, and the rest when the run ends
   error      error, message, traceback
-  run_end    reason (done | max_steps | interrupted | error), counters, fault_verify
+  run_end    reason (done | max_steps | interrupted | error), counters, fault_verify, kv_record
+             (with the record on: reads, slots_verified, shared_slots, own_ranks)
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from kvchaos.engine.errors import InvalidRequest, RequestRejected
 from kvchaos.engine.sequence import State
 from kvchaos.faults import make_fault
 from kvchaos.harness.judge.history import History
+from kvchaos.harness.judge.kv_record import RankRecords
 from kvchaos.harness.judge.oracle import Oracle
 from kvchaos.harness.judge.reference import cross_check
 from kvchaos.harness.judge.scenario import Scenario
@@ -81,6 +82,7 @@ class LiveRun:
         self.known_diverged: set[str] = set()  # reported by a live check: not collected again
         self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
         self.engine.record_writes = observe
+        self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
         self.telemetry = Telemetry.from_env(device)
 
     def snapshot(self, step: int) -> None:
@@ -128,9 +130,11 @@ class LiveRun:
             e.seams.on_upload = lambda: (
                 self.snapshot(e.step_count) if e.step_count % every == 0 else None
             )
-        e.seams.on_event = lambda kind, data: self.h.append(
-            {"e": "engine", "step": e.step_count, "kind": kind, "data": data}
-        )
+        if self.observe and "prefix_cache" in e.offers:  # reads of KV other requests wrote
+            self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size)
+            e.seams.on_batch = self.kv.on_batch
+            self.h.append({"e": "kv_record", "step": 0, "ranks": len(e.ranks.ranks)})
+        e.seams.on_event = self._engine_event
         for f in self.faults:
             f.arm(
                 e,
@@ -147,6 +151,21 @@ class LiveRun:
             self.h.append(
                 {"e": "fault", "step": 0, "fault": f.name, "kind": "armed", "detail": f.describe()}
             )
+
+    def _engine_event(self, kind: str, data: dict) -> None:
+        if self.kv is not None:  # copies reach the record before the step's writes
+            if kind == "cow":
+                self.kv.copy(data["copies"])
+            elif kind == "hit":
+                self.kv.hit(data["req"], data["blocks"])
+        self.h.append({"e": "engine", "step": self.engine.step_count, "kind": kind, "data": data})
+
+    def _check_reads(self, step: int) -> None:
+        """Commit the step's batch to the writer record: each read of KV written for other
+        tokens (or never written, or computed from a wrong read) is a kv_read event."""
+        seqs = self.engine.seqs
+        for f in self.kv.commit(step, lambda s: seqs[s].tokens):
+            self.h.append({"e": "kv_read", "step": step, **f})
 
     # -- actions ----------------------------------------------------------------------
     def _phase(self, req: str) -> str | None:
@@ -341,8 +360,15 @@ class LiveRun:
                 return "done"
             for f in self.faults:
                 f.before_step(e, step)
-            out = e.step()
+            try:
+                out = e.step()
+            except BaseException:
+                if self.kv is not None:
+                    self.kv.abort(e.step_count)
+                raise
             st = out.stats
+            if self.kv is not None:
+                self._check_reads(st.step)
             if self.observe and out.stats.decode_tokens + out.stats.prefill_tokens:
                 self._check_writes(st.step)
             for f in self.faults:
@@ -411,6 +437,7 @@ class LiveRun:
                 "manager_calls": dict(self.engine.bm.calls),
                 "fault_verify": verify,
                 "telemetry": self.telemetry.summary(),
+                **({"kv_record": self.kv.stats()} if self.kv is not None else {}),
             }
         )
         return verify

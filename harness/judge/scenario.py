@@ -41,6 +41,7 @@ CHECKERS = (
     "liveness",
     "manager_calls",
     "admission",
+    "kv_reads",
 )
 
 
@@ -135,7 +136,9 @@ class Workload(_Strict):
 
 
 class FaultSpec(_Strict):
-    name: Literal["table_overflow", "refcount_leak", "staging_stall", "ordering_race"]
+    name: Literal[
+        "table_overflow", "refcount_leak", "staging_stall", "ordering_race", "prefix_cache"
+    ]
     defect: bool = True  # plant the defect, or only pull the trigger
     params: dict = {}
 

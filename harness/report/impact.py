@@ -22,6 +22,9 @@ HOW = {
     "unfinished": "never finished",
     "latency_climb": "in the batch while latency climbed",
     "stale_table": "in a batch computed on a stale table",
+    "wrong_read": "read KV written for other tokens",
+    "unwritten_read": "read KV never written",
+    "poisoned_read": "read KV computed from a wrong read",
 }
 
 

@@ -1,0 +1,85 @@
+"""Checkers of what a prefix cache served (docs/protocol-v2.md sections 3 and 4). `kv_reads`: the
+per-block writer record's kv_read events (harness/judge/kv_record.py) become findings that name
+the request whose attention READ the wrong KV, the block, its writer and the hit that served it.
+A holder that never read the slot is named nowhere."""
+
+from __future__ import annotations
+
+from kvchaos.harness.judge.findings import CheckResult, Finding, _result
+
+KINDS = ("wrong_read", "unwritten_read", "poisoned_read")
+
+
+def read_kind(e: dict) -> str:
+    """A kv_read event's kind: its first failing slot never written, computed from a wrong read
+    (same identity, tainted), or written for other tokens."""
+    if e.get("writer") is None:
+        return "unwritten_read"
+    return "poisoned_read" if e.get("origin") is not None else "wrong_read"
+
+
+def _span(pos: list[int]) -> str:
+    if not pos:
+        return "?"
+    if pos == list(range(pos[0], pos[-1] + 1)):
+        return str(pos[0]) if len(pos) == 1 else f"{pos[0]}..{pos[-1]}"
+    return ", ".join(map(str, pos[:8])) + (" ..." if len(pos) > 8 else "")
+
+
+def _message(e: dict, kind: str, hit: tuple[int, dict] | None) -> str:
+    req, w = e["req"], e.get("writer")
+    where = f"its hit from step {hit[0]}" if e.get("via_hit") and hit else f"entry {e['index']}"
+    rank = f" on rank {e['rank']}" if e.get("rank") else ""
+    head = f"request {req} read block {e['block']} ({where}) at positions {_span(e['pos'])}{rank}"
+    if kind == "unwritten_read":
+        return f"{head}; no KV was ever written there"
+    who = f"{w} itself" if w == req else w
+    at = f"at step {e['writer_step']}"
+    if e.get("torn"):
+        return f"{head}; that KV was written by {who} {at}, a step that failed (content unknown)"
+    if kind == "poisoned_read":
+        return (
+            f"{head}; that KV was written by {who} {at} after a wrong read by request "
+            f"{e['origin']}: computed from wrong KV (poisoned)"
+        )
+    same = e.get("pos") and e.get("writer_pos") == e["pos"][0]
+    other = "for other tokens" if same else f"for position {e['writer_pos']}"
+    return f"{head}; that KV was written by {who} {other} {at}"
+
+
+EVIDENCE = (
+    "req",
+    "rank",
+    "index",
+    "block",
+    "slots",
+    "pos",
+    "writer",
+    "writer_pos",
+    "writer_step",
+    "via_hit",
+    "origin",
+)
+
+
+def check_kv_reads(events: list[dict]) -> CheckResult:
+    """Every position a request's attention read holds KV for its own prefix: the per-block writer
+    record's verdict, read by read. Not judged when the record was off (no kv_record event: the
+    manager offers no prefix cache) or nothing was computed."""
+    on, steps, found = False, 0, []
+    hits: dict[str, tuple[int, dict]] = {}  # req -> (step, data) of its latest cache hit
+    for e in events:
+        kind = e.get("e")
+        if kind == "kv_record":
+            on = True
+        elif kind == "engine" and e.get("kind") == "hit":
+            hits[e["data"]["req"]] = (e["step"], e["data"])
+        elif kind == "step" and on and (e.get("prefill_tokens") or e.get("decode_tokens")):
+            steps += 1
+        elif kind == "kv_read":
+            k, hit = read_kind(e), hits.get(e["req"])
+            evidence = {f: e.get(f) for f in EVIDENCE}
+            if hit is not None:
+                evidence["hit_step"], evidence["hit_blocks"] = hit[0], hit[1].get("blocks")
+            found.append(Finding("kv_reads", e["step"], _message(e, k, hit), evidence, None, k))
+    return _result("kv_reads", found, steps)

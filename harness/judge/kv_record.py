@@ -1,0 +1,228 @@
+"""The per-block writer record (docs/protocol-v2.md section 3): for every KV slot, who wrote it,
+for which position and tokens, at which step; so a read of KV written for other tokens is caught
+and named by its READER (a holder that never read the slot is named nowhere).
+
+Slot identity: D(seq, p) = blake2b-8(D(seq, p - 1) || token p), kept per request as its tokens
+arrive (independent of any manager's hash). A reader at position p is right iff the slot its
+table names holds D(reader, p): the same position after the same whole prefix, whoever wrote it.
+Taint: once a request reads wrongly, every slot it writes from that step on carries the origin;
+another reader matching such a slot has read KV computed from wrong KV (poisoned).
+
+Pure: no torch. LiveRun feeds it the engine's on_batch seam (engine/seams.py) and `cow` events."""
+
+from __future__ import annotations
+
+from hashlib import blake2b
+from typing import Callable, Sequence
+
+
+class Identities:
+    """D(seq, p) for each request, extended lazily from its tokens: O(tokens) per run."""
+
+    def __init__(self) -> None:
+        self.chains: dict[str, list[bytes]] = {}
+
+    def upto(self, seq: str, tokens: Sequence[int], n: int) -> list[bytes]:
+        """seq's identities for positions 0..n-1 at least (its chain, not a copy)."""
+        chain = self.chains.get(seq)
+        if chain is None:
+            chain = self.chains[seq] = []
+        if len(chain) < n:
+            d = chain[-1] if chain else b""
+            for t in tokens[len(chain) : n]:
+                d = blake2b(d + t.to_bytes(4, "little"), digest_size=8).digest()
+                chain.append(d)
+        return chain
+
+
+class KVRecord:
+    """One rank's record of its KV pool, slot by slot. A step's writes apply before its reads (as
+    each layer writes the batch's KV before attending). Per (reader, logical block) the (block,
+    version, slots, right) last verified is kept, so a decode step re-verifies only blocks that
+    changed; a block found wrong again, by the same reader at the same entry, is told once."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        n = num_blocks * block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.writer: list[str | None] = [None] * n
+        self.pos = [-1] * n
+        self.token = [-1] * n
+        self.ident: list[bytes | None] = [None] * n  # None: never written, or torn (writer set)
+        self.step = [-1] * n
+        self.taint: list[str | None] = [None] * n
+        self.version = [0] * num_blocks
+        self.verified: dict[str, list[tuple[int, int, int, bool]]] = {}
+        self.tainted: dict[str, str] = {}  # reader -> origin of the wrong read it made or took
+        self._now: tuple[int, dict[str, list[int]]] = (-1, {})  # this step's writes, by writer
+        self.reads = 0  # sequence reads judged
+        self.work = 0  # slots verified: what the reads cost
+        self.shared = 0  # verified slots another request wrote (reads a cache hit or fork made)
+
+    def clone(self) -> KVRecord:
+        new = KVRecord.__new__(KVRecord)
+        new.__dict__.update(
+            {k: (v.copy() if isinstance(v, (list, dict)) else v) for k, v in vars(self).items()}
+        )
+        new.verified = {r: list(c) for r, c in self.verified.items()}
+        new._now = (-1, {})
+        return new
+
+    def copy(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Copy-on-write: each dst block takes src's slots (all sources read before any write)."""
+        bs = self.block_size
+        fields = (self.writer, self.pos, self.token, self.ident, self.step, self.taint)
+        taken = [(dst, [f[src * bs : (src + 1) * bs] for f in fields]) for src, dst in pairs]
+        for dst, rows in taken:
+            for f, row in zip(fields, rows):
+                f[dst * bs : (dst + 1) * bs] = row
+            self.version[dst] += 1
+
+    def write(
+        self, seq: str, pos: int, token: int, digest: bytes | None, slot: int, step: int
+    ) -> None:
+        """seq's KV for position pos (token) into slot; digest None: its content is unknown (the
+        step raised). A negative slot (an unused table entry) wraps to the pool's end, as
+        write_kv does."""
+        s = slot % len(self.writer)
+        self.writer[s], self.pos[s], self.token[s] = seq, pos, token
+        self.ident[s], self.step[s], self.taint[s] = digest, step, self.tainted.get(seq)
+        self.version[s // self.block_size] += 1
+        if self._now[0] != step:
+            self._now = (step, {})
+        self._now[1].setdefault(seq, []).append(s)
+
+    def read(
+        self, seq: str, digests: Sequence[bytes], blocks: Sequence[int], n_ctx: int, step: int
+    ) -> list[dict]:
+        """seq attends to positions [0, n_ctx) through blocks (its row's entries); digests are
+        its identities. Returns one dict per block read wrongly (its first failing slot says the
+        kind: never written, written for other tokens, or poisoned)."""
+        bs = self.block_size
+        done = self.verified.get(seq)
+        if done is None:
+            done = self.verified[seq] = []
+        out = []
+        self.reads += 1
+        for i in range(-(-n_ctx // bs)):
+            b, cnt, v = blocks[i], min(bs, n_ctx - i * bs), self.version[blocks[i]]
+            was = done[i] if i < len(done) else None
+            if was is not None and was[0] == b and was[1] == v and was[2] >= cnt:
+                continue
+            bad = self._verify(seq, digests, b, i * bs, cnt)
+            if was is None:
+                done.append((b, v, cnt, not bad))
+            else:
+                done[i] = (b, v, cnt, not bad)
+            if bad and (was is None or was[0] != b or was[3]):
+                out.append(self._failed(seq, digests, i, b, bad, step))
+        return out
+
+    def _verify(self, seq: str, digests, b: int, p0: int, cnt: int) -> list[int]:
+        """The offsets of block b whose slot is not seq's KV for position p0 + offset."""
+        base, own = b * self.block_size, self.tainted.get(seq)
+        ident, taint, writer = self.ident, self.taint, self.writer
+        bad = []
+        for o in range(cnt):
+            s = base + o
+            t = taint[s]
+            if ident[s] != digests[p0 + o] or (t is not None and t != own):
+                bad.append(o)
+            elif writer[s] != seq:
+                self.shared += 1
+        self.work += cnt
+        return bad
+
+    def _failed(self, seq: str, digests, i: int, b: int, bad: list[int], step: int) -> dict:
+        bs = self.block_size
+        s = b * bs + bad[0]
+        w = self.writer[s]
+        poisoned = w is not None and self.ident[s] == digests[i * bs + bad[0]]
+        origin = self.taint[s] if poisoned else None
+        out = {
+            "req": seq,
+            "index": i,
+            "block": b,
+            "slots": bad,
+            "pos": [i * bs + o for o in bad],
+            "writer": w,
+            "writer_pos": self.pos[s] if w is not None else None,
+            "writer_step": self.step[s] if w is not None else None,
+            "origin": origin,
+        }
+        if w is not None and self.ident[s] is None:
+            out["torn"] = True  # written in a step that raised: its content is unknown
+        if seq not in self.tainted:  # its writes from this step on carry the origin
+            self.tainted[seq] = origin or seq
+            if self._now[0] == step:
+                for t in self._now[1].get(seq, ()):
+                    self.taint[t] = origin or seq
+                    self.version[t // bs] += 1
+        return out
+
+
+Batch = tuple[list, list]  # (reads [(seq, n_ctx, blocks)], writes [(seq, pos, token, slot)])
+
+
+class RankRecords:
+    """One KVRecord per rank. A rank > 0 shares rank 0's while its table equals rank 0's (the
+    engine reports no batch of its own then); from the first step it differs it keeps its own
+    copy, fed rank 0's batch on steps it reports none. A step's batch is committed once the step
+    returned; one that raised leaves its slots torn."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.ids = Identities()
+        self.records = {0: KVRecord(num_blocks, block_size)}
+        self.pending: dict[int, Batch] = {}
+        self.hits: dict[str, set[int]] = {}  # req -> the blocks of its last cache hit
+
+    def on_batch(self, rank: int, reads: list, writes: list) -> None:
+        self.pending[rank] = (reads, writes)
+
+    def copy(self, pairs) -> None:
+        for rec in self.records.values():
+            rec.copy(pairs)
+
+    def hit(self, req: str, blocks) -> None:
+        self.hits[req] = set(blocks)
+
+    def _split(self) -> dict[int, Batch]:
+        pending, self.pending = self.pending, {}
+        for r in sorted(pending):
+            if r not in self.records:  # before rank 0's batch applies: the state both share
+                self.records[r] = self.records[0].clone()
+        return pending
+
+    def commit(self, step: int, tokens_of: Callable[[str], Sequence[int]]) -> list[dict]:
+        """Apply the step's batches; the failed reads, each with its rank and via_hit."""
+        pending = self._split()
+        if 0 not in pending:
+            return []
+        ids, chains, out = self.ids, self.ids.chains, []
+        for r, rec in sorted(self.records.items()):
+            reads, writes = pending.get(r, pending[0])
+            for seq, pos, token, slot in writes:
+                d = chains.get(seq)
+                if d is None or len(d) <= pos:
+                    d = ids.upto(seq, tokens_of(seq), pos + 1)
+                rec.write(seq, pos, token, d[pos], slot, step)
+            for seq, n, blocks in reads:
+                for f in rec.read(seq, ids.upto(seq, tokens_of(seq), n), blocks, n, step):
+                    f["rank"], f["via_hit"] = r, f["block"] in self.hits.get(seq, ())
+                    out.append(f)
+        return out
+
+    def abort(self, step: int) -> None:
+        """The step raised: what it may have written is unknown."""
+        pending = self._split()
+        for r, rec in self.records.items():
+            for seq, pos, token, slot in pending.get(r, pending.get(0, ((), ())))[1]:
+                rec.write(seq, pos, token, None, slot, step)
+
+    def stats(self) -> dict:
+        rec = self.records[0]
+        return {
+            "reads": rec.reads,
+            "slots_verified": rec.work,
+            "shared_slots": rec.shared,
+            "own_ranks": sorted(r for r in self.records if r),
+        }
