@@ -563,6 +563,7 @@ def test_run_checkers_runs_every_checker_and_passes_options():
         "manager_calls": "held",
         "admission": "not judged",
         "kv_reads": "not judged",
+        "prefix_cache": "not judged",
     }
 
 

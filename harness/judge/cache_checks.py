@@ -83,3 +83,45 @@ def check_kv_reads(events: list[dict]) -> CheckResult:
                 evidence["hit_step"], evidence["hit_blocks"] = hit[0], hit[1].get("blocks")
             found.append(Finding("kv_reads", e["step"], _message(e, k, hit), evidence, None, k))
     return _result("kv_reads", found, steps)
+
+
+CACHE_PROBLEMS = {
+    "partial": "holds slots never written (keyed before its KV was computed)",
+    "tokens": "holds KV of other tokens than its key's",
+    "chain": "holds slots of different prefixes (not one chain of tokens)",
+    "parent": "does not continue the block its parent key names",
+}
+HIT_PROBLEMS = {
+    "not_cached": "is not in the cache",
+    "tokens": "is cached over other tokens than the request's",
+    "parent": "is cached after another parent than the block served before it",
+}
+
+
+def check_prefix_cache(events: list[dict]) -> CheckResult:
+    """The manager's word about its cache against what was written: each cached block's contents
+    match its key (cache_content), each hit served the blocks its keys name (hit_blocks). Not
+    judged without cache state in the snapshots (the manager does not show its cache)."""
+    on, judged, found = False, 0, []
+    for e in events:
+        kind = e.get("e")
+        if kind == "kv_record":
+            on = True
+        elif kind == "snapshot" and on and "cache" in e:
+            judged += 1
+        elif kind == "cache_mismatch":
+            who = ", ".join(e["writers"][:4]) or "nobody"
+            msg = (
+                f"cached block {e['block']} (key {str(e['key'])[:16]}) "
+                f"{CACHE_PROBLEMS[e['problem']]}; {e['written']} slots written, by {who}"
+            )
+            evidence = {k: e.get(k) for k in ("block", "key", "problem", "writers", "written")}
+            found.append(Finding("prefix_cache", e["step"], msg, evidence, None, "cache_content"))
+        elif kind == "hit_mismatch":
+            msg = (
+                f"request {e['req']}'s cache hit served block {e['block']} as its block "
+                f"{e['index']}, which {HIT_PROBLEMS[e['problem']]}"
+            )
+            evidence = {k: e.get(k) for k in ("req", "block", "index", "problem")}
+            found.append(Finding("prefix_cache", e["step"], msg, evidence, None, "hit_blocks"))
+    return _result("prefix_cache", found, judged)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 from typing import Callable
 
-from kvchaos.harness.judge.cache_checks import check_kv_reads
+from kvchaos.harness.judge.cache_checks import check_kv_reads, check_prefix_cache
 from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
 from kvchaos.harness.judge.latency import check_latency
 from kvchaos.harness.judge.manager_checks import check_admission, check_manager_calls
@@ -459,6 +459,7 @@ CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "manager_calls": check_manager_calls,
     "admission": check_admission,
     "kv_reads": check_kv_reads,
+    "prefix_cache": check_prefix_cache,
 }
 
 

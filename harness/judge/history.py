@@ -26,6 +26,10 @@ Kinds and their fields:
              writer_step, via_hit (the block came with req's last cache hit), origin (set: the
              KV was computed from a wrong read by that request), torn (written in a step that
              raised); step is the step of the read
+  cache_mismatch  block, key, problem (partial | tokens | chain | parent), writers, written: a
+             cached block whose slots are not KV of its key's tokens (harness/judge/cache_state.py)
+  hit_mismatch    req, index, block, problem (not_cached | tokens | parent): a hit's block that
+             its key does not name
   fault      fault, kind ("armed" | "trigger" | "fired"), detail
   oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
              tolerance, divergence_step (engine step of the first divergent token, or null); step is

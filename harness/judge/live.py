@@ -14,6 +14,7 @@ from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import InvalidRequest, RequestRejected
 from kvchaos.engine.sequence import State
 from kvchaos.faults import make_fault
+from kvchaos.harness.judge.cache_state import CacheWatch
 from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.kv_record import RankRecords
 from kvchaos.harness.judge.oracle import Oracle
@@ -132,6 +133,7 @@ class LiveRun:
             )
         if self.observe and "prefix_cache" in e.offers:  # reads of KV other requests wrote
             self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size)
+            self.cache_watch = CacheWatch(e.bm.block_size)
             e.seams.on_batch = self.kv.on_batch
             self.h.append({"e": "kv_record", "step": 0, "ranks": len(e.ranks.ranks)})
         e.seams.on_event = self._engine_event
@@ -158,6 +160,8 @@ class LiveRun:
                 self.kv.copy(data["copies"])
             elif kind == "hit":
                 self.kv.hit(data["req"], data["blocks"])
+                tokens = self.engine.seqs[data["req"]].tokens
+                self.cache_watch.hit(self.engine.step_count, data["req"], tokens, data["blocks"])
         self.h.append({"e": "engine", "step": self.engine.step_count, "kind": kind, "data": data})
 
     def _check_reads(self, step: int) -> None:
@@ -166,6 +170,10 @@ class LiveRun:
         seqs = self.engine.seqs
         for f in self.kv.commit(step, lambda s: seqs[s].tokens):
             self.h.append({"e": "kv_read", "step": step, **f})
+        snap_step, snap = self.last_snap
+        if snap_step == step:  # the cache as the manager tells it, against what was written
+            for ev in self.cache_watch.check(self.kv.records[0], snap.cache, step):
+                self.h.append(ev)
 
     # -- actions ----------------------------------------------------------------------
     def _phase(self, req: str) -> str | None:

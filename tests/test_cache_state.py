@@ -1,0 +1,99 @@
+"""harness/judge/cache_state.py: the manager's cache state against the writer record. Each problem
+of a cached block (partial, tokens, chain, parent) and of a hit (not_cached, tokens, parent) on a
+hand-built record; an entry judged once until its block is written again; the prefix_cache
+checker's findings; and a canary that keeps stale cache entries caught by it in a run."""
+
+from __future__ import annotations
+
+from kvchaos.harness.judge.cache_checks import check_prefix_cache
+from kvchaos.harness.judge.cache_state import CacheWatch
+from kvchaos.harness.judge.kv_record import Identities, KVRecord
+
+BS = 2
+
+
+def written(seqs: dict[str, tuple[list[int], list[int]]]) -> KVRecord:
+    """A record where each seq (tokens, blocks) wrote all its tokens into its blocks."""
+    rec, ids = KVRecord(8, BS), Identities()
+    for seq, (tokens, blocks) in seqs.items():
+        d = ids.upto(seq, tokens, len(tokens))
+        for p, t in enumerate(tokens):
+            rec.write(seq, p, t, d[p], blocks[p // BS] * BS + p % BS, 1)
+    return rec
+
+
+def entry(block, key, parent, tokens):
+    return {"block": block, "key": key, "parent": parent, "tokens": tokens}
+
+
+A = [5, 6, 7, 8]  # request a: blocks 0 (5, 6) and 1 (7, 8)
+
+
+def test_a_true_cache_has_no_problem_and_is_judged_once():
+    rec, w = written({"a": (A, [0, 1])}), CacheWatch(BS)
+    cache = [entry(0, "k0", None, [5, 6]), entry(1, "k1", "k0", [7, 8])]
+    assert w.check(rec, cache, 1) == []
+    rec.write("b", 0, 9, b"x" * 8, 0, 2)  # block 0 overwritten while still cached
+    (ev,) = w.check(rec, cache, 2)
+    assert (ev["e"], ev["block"], ev["problem"]) == ("cache_mismatch", 0, "tokens")
+    assert w.check(rec, cache, 3) == []  # told once
+
+
+def test_each_content_problem_is_named():
+    rec = written({"a": (A, [0, 1]), "b": ([1, 2], [2]), "c": ([3, 7, 8], [4, 5])})
+    cases = {
+        "partial": entry(3, "k", None, [1, 2]),  # never written
+        "tokens": entry(0, "k", None, [5, 9]),
+        "parent": entry(1, "k1", "kb", [7, 8]),  # a's block 1 does not continue b's block
+        "chain": None,
+    }
+    # chain: one slot of a's block 1 replaced by c's slot for the same token at position 1
+    rec2 = written({"a": (A, [0, 1]), "c": ([3, 7, 8], [4, 5])})
+    rec2.ident[1 * BS], rec2.token[1 * BS] = rec2.ident[4 * BS + 1], 7
+    for problem, e in cases.items():
+        r = rec2 if problem == "chain" else rec
+        e = e or entry(1, "k1", None, [7, 8])
+        cache = [e, entry(2, "kb", None, [1, 2])] if problem == "parent" else [e]
+        evs = CacheWatch(BS).check(r, cache, 1)
+        assert [x["problem"] for x in evs if x["block"] == e["block"]] == [problem], problem
+
+
+def test_a_hit_on_blocks_its_keys_do_not_name_is_named():
+    rec = written({"a": (A, [0, 1])})
+    cache = [entry(0, "k0", None, [5, 6]), entry(1, "k1", "k0", [7, 8])]
+    for blocks, tokens, problem in (
+        ([0, 3], A, "not_cached"),
+        ([0, 1], [5, 6, 7, 9], "tokens"),
+        ([1], [7, 8], "parent"),  # served as block 0, but cached after k0
+    ):
+        w = CacheWatch(BS)
+        w.check(rec, cache, 1)
+        w.hit(2, "r", tokens, blocks)
+        (ev,) = w.check(rec, cache, 2)
+        assert (ev["e"], ev["req"], ev["problem"]) == ("hit_mismatch", "r", problem)
+    w = CacheWatch(BS)
+    w.hit(2, "r", A, [0, 1])
+    assert w.check(rec, cache, 2) == []
+
+
+def test_the_checker_turns_events_into_findings_and_is_not_judged_without_cache_state():
+    evs = [
+        {"e": "kv_record", "step": 0},
+        {"e": "snapshot", "step": 1, "cache": []},
+        {"e": "hit_mismatch", "step": 1, "req": "r3", "index": 0, "block": 4,
+         "problem": "not_cached"},
+    ]  # fmt: skip
+    res = check_prefix_cache(evs)
+    assert res.valid is False and res.findings[0].kind == "hit_blocks"
+    assert "request r3" in res.findings[0].message
+    assert check_prefix_cache([{"e": "kv_record", "step": 0}]).valid is None
+
+
+def test_a_cache_that_keeps_entries_of_evicted_blocks_is_caught_by_their_content():
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.tools.canaries import EvictKeepsEntry
+
+    r = run_scenario(load_scenario("prefix-shared-clean"), 0, "cpu", None, EvictKeepsEntry)
+    kinds = {(f.checker, f.kind) for f in r.findings}
+    assert r.verdict == "FAIL" and ("prefix_cache", "cache_content") in kinds, r.summary
