@@ -42,6 +42,7 @@ CHECKERS = (
     "manager_calls",
     "admission",
     "kv_reads",
+    "prefix_cache",
 )
 
 
