@@ -497,3 +497,32 @@ def test_a_live_request_with_nothing_new_costs_no_pass():
     assert not passes and (again.checked, again.max_abs_err) == (first.checked, first.max_abs_err)
     last = oracle.check_many([(s.id, s.tokens, s.prompt_len, rows)])[0]
     assert passes and last.checked == rows.shape[0] and s.id not in oracle.past
+
+
+def test_requests_sharing_a_prompt_prefix_reuse_the_oracles_own_kv_with_the_same_results():
+    """A prefix the oracle computed for one request is not computed again for another starting
+    with the very same tokens; the results equal a fresh oracle's, and a wrong row of the second
+    request is still found."""
+    engine = make_engine()
+    common = [random.Random(3).randrange(MODEL.vocab_size) for _ in range(20)]
+    engine.add_request("a", common + [1, 2], 4)
+    engine.add_request("b", common + [3], 4)
+    logits = defaultdict(list)
+    while engine.has_unfinished():
+        for rid, row in engine.step().logits.items():
+            logits[rid].append(row)
+    items = [
+        (r, engine.seqs[r].tokens, engine.seqs[r].prompt_len, torch.stack(logits[r])) for r in "ab"
+    ]
+    shared, fresh = Oracle(engine.model), Oracle(engine.model)
+    shared.check_many(items[:1])
+    fed = []
+    real = shared._forward
+    shared._forward = lambda batch, *a: fed.append(batch.shape[1]) or real(batch, *a)
+    got, want = shared.check_many(items[1:])[0], fresh.check_many(items[1:])[0]
+    assert fed == [len(items[1][1]) - 1 - 16]  # 16 of the 20 common tokens taken, none computed
+    assert (got.checked, got.first_divergence) == (want.checked, None)
+    assert got.max_abs_err == pytest.approx(want.max_abs_err, abs=1e-5)
+    bad = items[1][3].clone()
+    bad[0, 5] += 1.0
+    assert shared.check_many([(*items[1][:3], bad)])[0].first_divergence == 0

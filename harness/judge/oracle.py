@@ -55,11 +55,39 @@ class _Past:
     max_rel: float = 0.0
 
 
+# Token prefixes whose K/V the oracle keeps for other requests that start with them (system
+# prompts, templates, earlier turns): one every SHARE_EVERY tokens fed, SHARE_MAX at most.
+SHARE_EVERY = 8
+SHARE_MAX = 4096
+
+
 class Oracle:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.atol, self.rtol = TOLERANCES[model.cfg.torch_dtype]
         self.past: dict[str, _Past] = {}
+        # exact token prefix -> K/V holding at least its positions: the oracle's own computation
+        # for those very tokens, so a request starting with them does not compute them again
+        self.shared: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _shared_past(self, fed: list[int], prompt_len: int) -> _Past | None:
+        """The longest kept prefix of fed that ends before the first position whose logits are
+        compared (they are computed, never taken)."""
+        top = min(prompt_len - 1, len(fed) - 1)
+        for n in range(top - top % SHARE_EVERY, 0, -SHARE_EVERY):
+            kv = self.shared.get(tuple(fed[:n]))
+            if kv is not None:
+                return _Past(fed[:n], kv[:, :, :, :n])
+        return None
+
+    def _share(self, fed: list[int], start: int, kv) -> None:
+        """Keep the prefixes of fed that end in (start, len(fed)]: kv() builds its K/V."""
+        ends = range(start - start % SHARE_EVERY + SHARE_EVERY, len(fed) + 1, SHARE_EVERY)
+        if not ends or len(self.shared) >= SHARE_MAX:
+            return
+        full = kv()
+        for n in ends:
+            self.shared.setdefault(tuple(fed[:n]), full)
 
     def check(
         self, request: str, tokens: list[int], prompt_len: int, logits: torch.Tensor
@@ -84,6 +112,8 @@ class Oracle:
             fed = tokens[: prompt_len + rows.shape[0] - 1]
             if past is not None and fed[: len(past.fed)] != past.fed:
                 past = None  # not a prefix of what it fed before: start over
+            if past is None and self.shared:
+                past = self._shared_past(fed, prompt_len)
             if past is not None and len(fed) == len(past.fed):  # nothing new since: no pass
                 out[i] = OracleResult(req, past.checked, past.max_abs, past.max_rel, None)
                 if req in keep:
@@ -186,11 +216,18 @@ class Oracle:
                 res.max_abs_err = max(res.max_abs_err, past.max_abs)
                 res.max_rel_err = max(res.max_rel_err, past.max_rel)
             out[i] = res
+            whole: list = []  # the request's K/V, built once for what needs it
+
+            def kv(row=row, n=n, past=past, whole=whole):
+                if not whole:
+                    new = new_kv[:, :, row, :, :n]
+                    whole.append(torch.cat([past.kv, new], dim=3) if past else new.clone())
+                return whole[0]
+
+            self._share(fed_all[row], lens[row], kv)
             if req in keep and not res.diverged:
-                kv = new_kv[:, :, row, :, :n]
-                kv = torch.cat([past.kv, kv], dim=3) if past else kv.clone()
                 self.past[req] = _Past(
-                    fed_all[row], kv, res.checked, res.max_abs_err, res.max_rel_err
+                    fed_all[row], kv(), res.checked, res.max_abs_err, res.max_rel_err
                 )
 
     def _compare(self, got: torch.Tensor, ref: torch.Tensor, sizes: list[int]) -> list:
