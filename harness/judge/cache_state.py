@@ -39,14 +39,15 @@ class CacheWatch:
         hits, self.hits = [h for h in self.hits if h[0] == step], []
         if cache is None:
             return []
+        judged, version = self.judged, rec.version
+        fresh = [e for e in cache if judged.get(e["block"]) != (e["key"], version[e["block"]])]
+        if not fresh and not hits:
+            return []
         by_key = {e["key"]: e for e in cache}
         out = []
-        for e in cache:
+        for e in fresh:
             b = e["block"]
-            now = (e["key"], rec.version[b])
-            if self.judged.get(b) == now:
-                continue
-            self.judged[b] = now
+            judged[b] = (e["key"], version[b])
             problem = self._content(rec, e, by_key)
             if problem:
                 s = b * self.bs
