@@ -11,15 +11,40 @@ Invariants (check() verifies them; tests/test_block_pool.py runs it after every 
   P2  b is in the free queue  <=>  ref[b] == 0   (no held block queued, no free block lost)
   P3  cache[k] == b  <=>  key[b] == k   (one block per key, one key per block)
   P4  a cached block has block_size tokens and the key hash_fn(parent[b], tokens[b])
+
+PoolSeams switch the prefix cache's shipped bug classes on (faults/prefix_cache.py plants them);
+the defaults are the remediation. A defect path never raises: it does what the bug did.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 from kvchaos.engine.errors import OutOfBlocks
 
 HashFn = Callable[[Hashable, tuple], Hashable]
+
+
+def _ignore(kind: str, detail: dict) -> None:
+    return None
+
+
+@dataclass
+class PoolSeams:
+    """Defect switches of the prefix cache (the defaults are the remediation), and the callbacks
+    that give a planted fault its ground truth."""
+
+    verify_hits: bool = True  # a hit checks the block's stored tokens and parent key (vllm#12621)
+    unlink_on_revive: bool = True  # a revive takes the block out of the free queue (atlas#373)
+    evict_on_reuse: bool = True  # allocate drops the popped block's key (vllm#4761)
+    key_after_compute: bool = True  # the manager keys a block once computed (vllm#34587)
+    on_defect: Callable[[str, dict], None] = _ignore  # a defect path changed what was done
+    # set: told every admission's hit, on_admit(seq_id, hit blocks, revived blocks), before
+    # allocate (a planted fault's trigger accounting); None costs nothing
+    on_admit: Callable[[str, list, list], None] | None = None
+    # set: called once the manager keyed a step's computed blocks (end_step), before any release
+    on_end_step: Callable[[], None] | None = None
 
 
 def chain_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
@@ -43,6 +68,10 @@ class PrefixBlockPool:
         "num_free",
         "_prev",
         "_next",
+        "seams",
+        "queued_held",
+        "stale_keys",
+        "collided",
     )
 
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = chain_hash) -> None:
@@ -58,6 +87,10 @@ class PrefixBlockPool:
         # Node n is the sentinel: _next[n] is the LRU head, _prev[n] the tail. Queue 0, 1, ..., n-1.
         self._next = list(range(1, n + 1)) + [0]
         self._prev = [n] + list(range(n))
+        self.seams = PoolSeams()
+        self.queued_held: set[int] = set()  # unlink_on_revive off: held blocks left queued
+        self.stale_keys: set = set()  # evict_on_reuse off: keys whose block was re-allocated
+        self.collided: set = set()  # verify_hits off: keys two different blocks were keyed to
 
     # -- the free queue: O(1) each ------------------------------------------------------------
     def _unlink(self, b: int) -> None:
@@ -84,9 +117,20 @@ class PrefixBlockPool:
         self._unlink(b)
         k = self.key[b]
         if k is not None:
-            del self.cache[k]
-            self.key[b] = self.parent[b] = self.tokens[b] = None
-        self.ref[b] = 1
+            if self.seams.evict_on_reuse:
+                del self.cache[k]
+                self.key[b] = self.parent[b] = self.tokens[b] = None
+            else:  # defect: the entry stays and will serve this block's next contents
+                self.stale_keys.add(k)
+                self.seams.on_defect("kept_key", {"block": b})
+        if self.seams.unlink_on_revive:
+            self.ref[b] = 1
+        else:  # defect: a revive may have left this block queued while held: handed out again
+            r = self.ref[b]
+            self.ref[b] = r + 1
+            if r:
+                self.queued_held.discard(b)
+                self.seams.on_defect("rehanded", {"block": b, "refs": r})
         return b
 
     def free(self, b: int) -> None:
@@ -96,7 +140,10 @@ class PrefixBlockPool:
             raise ValueError(f"free of free block {b} (double free)")
         self.ref[b] = r - 1
         if r == 1:
-            self._append(b)
+            if self.queued_held and b in self.queued_held:  # defect: it never left the queue
+                self.queued_held.discard(b)
+            else:
+                self._append(b)
 
     def touch(self, b: int) -> None:
         """Take a reference to a cached block: revive it from anywhere in the free queue (ref 0),
@@ -105,7 +152,11 @@ class PrefixBlockPool:
         if r == 0:
             if self.key[b] is None:  # its KV is stale: only allocate may hand it out
                 raise ValueError(f"touch of free block {b} that holds no cached prefix")
-            self._unlink(b)
+            if self.seams.unlink_on_revive:
+                self._unlink(b)
+            else:  # defect: still queued and counted free, so allocate may hand it out
+                self.queued_held.add(b)
+                self.seams.on_defect("revive_queued", {"block": b})
         self.ref[b] = r + 1
 
     # -- the prefix cache -----------------------------------------------------------------------
@@ -127,12 +178,23 @@ class PrefixBlockPool:
             raise ValueError(f"cache of free block {b}")
         k = self.hash_fn(parent_key, toks)
         if self.key[b] is not None:
-            if self.key[b] != k:
+            if self.key[b] == k:
+                self.stale_keys.discard(k)  # (evict_on_reuse off) the same contents again
+                return k
+            if self.seams.evict_on_reuse:
                 raise ValueError(f"block {b} is already cached under another key")
-            return k
+            if k in self.cache:  # defect: a record kept from before its reuse stays
+                return k
+            # defect: that record is replaced; its entry stays behind, pointing here
         if k not in self.cache:
             self.cache[k] = b
             self.key[b], self.parent[b], self.tokens[b] = k, parent_key, toks
+            if not self.seams.verify_hits and parent_key in self.collided:  # defect truth
+                self.seams.on_defect("collided_parent", {"block": b})
+        elif not self.seams.verify_hits and k not in self.stale_keys:
+            c = self.cache[k]  # defect truth: another prefix's block holds this key
+            if c != b and (self.tokens[c] != toks or self.parent[c] != parent_key):
+                self.collided.add(k)
         return k
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -142,17 +204,35 @@ class PrefixBlockPool:
         on with the same tokens (about 2**-64 with chain_hash; real with a weak hash_fn)."""
         bs, h, cache = self.block_size, self.hash_fn, self.cache
         tokens, parent = self.tokens, self.parent
+        verify = self.seams.verify_hits  # off: a key is trusted (a defect)
         blocks: list[int] = []
         k = None
         for i in range(0, len(token_ids) - bs + 1, bs):
             toks = tuple(token_ids[i : i + bs])
             nk = h(k, toks)
             b = cache.get(nk)
-            if b is None or tokens[b] != toks or parent[b] != k:
+            if b is None or verify and (tokens[b] != toks or parent[b] != k):
                 break
             blocks.append(b)
             k = nk
         return blocks
+
+    def served_wrong(self, token_ids: Sequence[int], blocks: Sequence[int]) -> list[int]:
+        """Of blocks a trusted key served for token_ids (verify_hits off), those whose KV is not
+        token_ids': re-allocated since keyed (a stale key), or from the first block keyed over
+        other tokens or another parent on (a collision: what follows belongs to another prefix).
+        Ground truth for a planted defect; O(blocks)."""
+        bs, out, other, k = self.block_size, [], False, None
+        for i, b in enumerate(blocks):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            nk = self.hash_fn(k, toks)
+            if nk in self.stale_keys:
+                out.append(b)
+            elif other or self.tokens[b] != toks or self.parent[b] != k:
+                other = True
+                out.append(b)
+            k = nk
+        return out
 
     # -- observation ----------------------------------------------------------------------------
     def free_order(self) -> list[int]:

@@ -45,6 +45,12 @@ class PrefixCachingManager:
         self.tokens: dict[str, list[int]] = {}  # the ids it holds slots for, in order
         self.keyed: dict[str, int] = {}  # leading blocks keyed (full and computed)
         self.last_key: dict[str, object] = {}  # key of block keyed[s] - 1: the next one's parent
+        self._entries: dict[int, tuple] = {}  # block -> (key, tokens, its snapshot entry)
+        # Only with key_after_compute off (a planted defect, pool.seams): blocks keyed before
+        # their KV was computed (block -> (seq, index)), this step's hits on them, known tokens
+        self.early: dict[int, tuple[str, int]] = {}
+        self.early_hits: list[tuple[str, list[int]]] = []
+        self.known: dict[str, list[int]] = {}
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -80,16 +86,29 @@ class PrefixCachingManager:
         hit = pool.match_prefix(token_ids[: max(0, max_computed)])
         h = len(hit) * bs
         total = h + min(num_new_tokens, len(token_ids) - h)
-        revive = sum(1 for b in hit if pool.ref[b] == 0)  # a revive takes a queued block
-        need = revive + -(-total // bs) - len(hit)
+        revived = [b for b in hit if pool.ref[b] == 0]  # a revive takes a queued block
+        need = len(revived) + -(-total // bs) - len(hit)
         if need > pool.num_free:
             raise OutOfBlocks(f"sequence {seq_id}: {need} blocks needed, {pool.num_free} free")
         for b in hit:
             pool.touch(b)
+        seams = pool.seams
+        if seams.on_admit is not None:
+            seams.on_admit(seq_id, hit, revived)
+        if not seams.verify_hits and hit:  # a defect: what the trusted keys served
+            bad = pool.served_wrong(token_ids, hit)
+            if bad:
+                seams.on_defect("wrong_hit", {"req": seq_id, "blocks": bad})
+        early = [b for b in hit if b in self.early] if self.early else None
+        if early:  # key_after_compute off: judged once the step's KV is written (end_step)
+            self.early_hits.append((seq_id, early))
         blocks = hit + [pool.allocate() for _ in range(-(-total // bs) - len(hit))]
         self.blocks[seq_id], self.tokens[seq_id] = blocks, list(token_ids[:total])
         self.keyed[seq_id] = len(hit)
         self.last_key[seq_id] = pool.key[hit[-1]] if hit else None
+        if not seams.key_after_compute:
+            self.known[seq_id] = list(token_ids)
+            self._key_early(seq_id)
         return h
 
     def append(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -109,6 +128,8 @@ class PrefixCachingManager:
         toks.extend(token_ids)
         while len(blocks) * bs < len(toks):
             blocks.append(pool.allocate())
+        if not pool.seams.key_after_compute:
+            self._key_early(seq_id)
         return copies
 
     def append_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int]):
@@ -141,6 +162,43 @@ class PrefixCachingManager:
                 k = pool.cache_full_block(blocks[i], k, toks[i * bs : (i + 1) * bs])
                 i += 1
             self.keyed[s], self.last_key[s] = i, k
+        if self.early:
+            self._settle_early(computed)
+        if pool.seams.on_end_step is not None:
+            pool.seams.on_end_step()
+
+    def _key_early(self, s: str) -> None:
+        """The defect key_after_compute off (vllm#34587): key every reserved block that the known
+        tokens fill as it is reserved, computed or not."""
+        pool, bs, blocks, toks = self.pool, self.block_size, self.blocks[s], self.tokens[s]
+        known = self.known.get(s, toks)
+        known = toks if len(toks) > len(known) else known
+        i, k = self.keyed[s], self.last_key[s]
+        while i < len(blocks) and (i + 1) * bs <= len(known):
+            k = pool.cache_full_block(blocks[i], k, known[i * bs : (i + 1) * bs])
+            self.early[blocks[i]] = (s, i)
+            i += 1
+        self.keyed[s], self.last_key[s] = i, k
+
+    def _settle_early(self, computed: dict[str, int]) -> None:
+        """Ground truth of key_after_compute off: a block keyed early leaves `early` once its
+        owner computed it (or its key is gone); the keys left over unwritten slots at the step's
+        end, and this step's hits on such blocks, are reported (pool.seams.on_defect)."""
+        pool, bs, report = self.pool, self.block_size, self.pool.seams.on_defect
+        for b, (s, i) in list(self.early.items()):
+            held = self.blocks.get(s)
+            if held is not None and i < len(held) and held[i] == b:
+                if computed.get(s, 0) >= (i + 1) * bs:
+                    del self.early[b]
+            elif pool.key[b] is None:  # evicted: nothing serves it any more
+                del self.early[b]
+        if self.early:
+            report("keyed_partial", {"blocks": list(self.early)})
+        for s, hit in self.early_hits:
+            bad = [b for b in hit if b in self.early]
+            if bad:
+                report("partial_hit", {"req": s, "blocks": bad})
+        self.early_hits = []
 
     def release(self, seq_id: str, reason: Reason) -> bool:
         """Any reason frees every block, tail first (the tail is evicted first). Only computed
@@ -149,6 +207,9 @@ class PrefixCachingManager:
         if blocks is None:
             return False
         del self.tokens[seq_id], self.keyed[seq_id], self.last_key[seq_id]
+        if self.known:  # key_after_compute off
+            self.known.pop(seq_id, None)
+            self.early_hits = [x for x in self.early_hits if x[0] != seq_id]
         for b in reversed(blocks):
             self.pool.free(b)
         return True
@@ -163,13 +224,23 @@ class PrefixCachingManager:
             seq_blocks={s: list(b) for s, b in self.blocks.items()},
             seq_tokens={s: len(t) for s, t in self.tokens.items()},
             reserved=list(self.reserved_blocks),
-            cache=[
-                {
+            cache=self._cache_entries(),
+        )
+
+    def _cache_entries(self) -> list[dict]:
+        """The snapshot's cache list. An entry is built once per (block, key, tokens) and shared
+        by later snapshots (read-only, as every snapshot is): a snapshot per step stays cheap."""
+        pool, memo, out = self.pool, self._entries, []
+        for k, b in pool.cache.items():
+            m = memo.get(b)
+            toks = pool.tokens[b]
+            if m is None or m[0] != k or m[1] is not toks:
+                entry = {
                     "block": b,
                     "key": _key_text(k),
                     "parent": _key_text(pool.parent[b]),
-                    "tokens": None if pool.tokens[b] is None else list(pool.tokens[b]),
+                    "tokens": None if toks is None else list(toks),
                 }
-                for k, b in pool.cache.items()
-            ],
-        )
+                m = memo[b] = (k, toks, entry)
+            out.append(m[2])
+        return out

@@ -89,6 +89,19 @@ class ListOf:
         return None if bad is None else (f".{bad}", f"one of {list(self.choices)}", v[bad])
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """One of the given choices (a string)."""
+
+    choices: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"one of {list(self.choices)}"
+
+    def problem(self, v) -> tuple[str, str, object] | None:
+        return None if isinstance(v, str) and v in self.choices else ("", str(self), v)
+
+
 # the domains the faults share. Steps count from 1: an action or trigger at step 0 never comes.
 STEP = Num(int, ge=1)
 COUNT = Num(int, ge=0)
@@ -103,6 +116,7 @@ class Fault:
     remediation: str = ""
     defaults: dict = {}
     domains: dict = {}  # param -> Num / Bool / ListOf: what values it takes (same keys as defaults)
+    any_manager = True  # False: it plants in the reference manager only (else not applicable)
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -149,6 +163,11 @@ class Fault:
         self.triggered: list[int] = []  # steps at which the trigger was pulled
         self.remediated = 0  # times the engine's remediation acted
         self.touched: dict[str, set] = {"requests": set(), "rows": set(), "blocks": set()}
+
+    @classmethod
+    def label(cls, params: dict | None = None) -> str:
+        """How incidents and the soak name it: its name, with the variant the params choose."""
+        return cls.name
 
     def shape(self, plan, engine_config) -> None:
         """Add the trigger's requests and cancels to the workload plan."""
@@ -205,6 +224,7 @@ class Fault:
     def describe(self) -> dict:
         return {
             "name": self.name,
+            "label": self.label(self.p),
             "defect": self.defect,
             "params": self.p,
             "detectors": list(self.detectors),

@@ -38,7 +38,8 @@ class Verdict:
     verdict: str
     summary: str
     time_to_detect: dict  # fault name -> steps from its first firing to when a catch was known
-    credits: list = field(default_factory=list)  # per finding: (checker, step, fault, how)
+    # per finding: (checker, step, fault, how); one row for each fault it is a cause of
+    credits: list = field(default_factory=list)
     exercised: dict = field(default_factory=dict)  # the manager paths the run exercised
 
     @property
@@ -63,24 +64,23 @@ def _as_dict(f) -> dict:
     return {"checker": f.checker, "step": f.step, "kind": f.kind, "evidence": f.evidence}
 
 
-def attribute(sc, findings: list, verify: dict) -> list[tuple[str | None, str | None]]:
-    """Per finding: (fault, "cause" | "consequence") of the planted fault that explains it, or
-    (None, None). A cause is preferred over a consequence."""
+def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
+    """Per finding: every planted fault that fired and explains it, as (fault, "cause" |
+    "consequence"), causes first (each such fault may count it as its catch); [] if none."""
     from kvchaos.faults import REGISTRY
 
     fired = [f.name for f in sc.faults if f.defect and verify.get(f.name, {}).get("fired")]
     out = []
     for f in findings:
-        d, best = _as_dict(f), (None, None)
-        for name in fired:
-            how = REGISTRY[name].explains(d, verify[name])
-            if how == "cause":
-                best = (name, how)
-                break
-            if how and best[0] is None:
-                best = (name, how)
-        out.append(best)
+        d = _as_dict(f)
+        hows = [(n, REGISTRY[n].explains(d, verify[n])) for n in fired]
+        out.append(sorted(((n, h) for n, h in hows if h), key=lambda x: x[1] != "cause"))
     return out
+
+
+def _named(name: str, verify: dict) -> str:
+    why = verify.get("not_applicable")
+    return f"{name} ({why})" if why else name
 
 
 def _expected(sc, name: str) -> list[str]:
@@ -96,8 +96,14 @@ def decide(
     sc, checks: list, verify: dict, error: dict | None, exercised: dict | None = None
 ) -> Verdict:
     findings = sorted((f for c in checks for f in c.findings), key=lambda f: (f.step, f.checker))
-    credits = attribute(sc, findings, verify)
-    tally = [(f.checker, f.step, fault, how) for f, (fault, how) in zip(findings, credits)]
+    explained = attribute(sc, findings, verify)
+    credits = [e[0] if e else (None, None) for e in explained]  # the best: a cause first
+    # a row per finding (its best explanation), and one more per other fault it is a cause of
+    tally = [
+        (f.checker, f.step, fault, how)
+        for f, e in zip(findings, explained)
+        for fault, how in (e[:1] + [x for x in e[1:] if x[1] == "cause"]) or [(None, None)]
+    ]
     kept = f"; {len(findings)} findings kept" if findings else ""
     if error:
         return Verdict(ERROR, f"run error: {error['error']}: {error['message']}{kept}", {}, tally)
@@ -113,8 +119,8 @@ def decide(
         expected = _expected(sc, name)
         known = [
             f.known - v["first_step"]
-            for f, (fault, how) in zip(findings, credits)
-            if fault == name and how == "cause" and f.checker in expected
+            for f, e in zip(findings, explained)
+            if (name, "cause") in e and f.checker in expected
         ]
         window = sc.expect.within_steps
         window = (
@@ -145,7 +151,8 @@ def decide(
         )
     if unexplained:
         return Verdict(FAIL, f"bug found: {bug}", ttd, tally)
-    not_fired = [n for n, v in planted.items() if not v.get("fired")]
+    # a fault that could not plant in this block manager says why (its verify's not_applicable)
+    not_fired = [_named(n, v) for n, v in planted.items() if not v.get("fired")]
     if not_fired:
         return Verdict(
             INCONCLUSIVE, f"planted defect never fired: {', '.join(not_fired)}", {}, tally
@@ -153,7 +160,9 @@ def decide(
     if not planted and sc.expect.outcome == "detect":
         return Verdict(INCONCLUSIVE, "expected a detection but no defect is planted", {}, tally)
     idle = [
-        f.name for f in sc.faults if not f.defect and not verify.get(f.name, {}).get("triggered")
+        _named(f.name, verify.get(f.name, {}))
+        for f in sc.faults
+        if not f.defect and not verify.get(f.name, {}).get("triggered")
     ]
     if idle:
         return Verdict(INCONCLUSIVE, f"trigger never pulled: {', '.join(idle)}", {}, tally)

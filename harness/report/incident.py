@@ -295,6 +295,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
         det = detection(v, results, kind, fault, findings, start)
         root, fix = _root_cause(v, kind, fault, checkers, results)
         sev, why = _severity(kind, impact, checkers)
+        named = _fault_knowledge(fault, v.armed).get("label") or fault  # with its variant
         steps = steps or timeline(v, results)
         n = len(out) + 1
         replay = results.get("replay", "")
@@ -308,7 +309,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
             {"failure_mode": "error", "checker": err["error"], "site": error_site(err)}
             if err
             else {
-                "failure_mode": fault or "none",
+                "failure_mode": named or "none",
                 "checker": first.get("checker"),
                 "site": first.get("kind"),
             }
@@ -318,7 +319,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                 "id": f"incident-{n:03d}",
                 "file": f"incident-{n:03d}.md",
                 "kind": kind,
-                "title": _title(kind, fault, det, results, impact, bm),
+                "title": _title(kind, named, det, results, impact, bm),
                 "severity": sev,
                 "severity_reason": why,
                 "fingerprint": fingerprint,
@@ -328,7 +329,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                     "summary": results.get("summary", ""),
                     "expectation": results.get("expectation", {}),
                 },
-                "summary": _summary(kind, fault, det, impact, fv, bm),
+                "summary": _summary(kind, named, det, impact, fv, bm),
                 "impact": impact,
                 "trigger": trigger_section(v, fault, fv),
                 "detection": det,

@@ -12,8 +12,11 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     """What a run showed, as {"fp": (label, failure mode, checker, kind), "step"}: one per distinct
     fingerprint, the run's primary (the one a reproducer must keep) first. label is the verdict,
     or DETECTED for a PASS that caught its planted defect. A finding's failure mode is the fault
-    in the run (planted first) whose detectors include its checker, else "-"."""
+    in the run (planted first) whose detectors include its checker, else "-", named with its
+    variant where it has one (prefix_cache/weak_key)."""
     from kvchaos.faults import REGISTRY
+
+    named = {f["name"]: REGISTRY[f["name"]].label(f.get("params")) for f in faults}
 
     v = results["verdict"]
     planted = [f["name"] for f in faults if f.get("defect", True)]
@@ -34,7 +37,7 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
         caught = set(results.get("time_to_detect_steps") or {})
         head = [
             {
-                "fp": (MISSED, n, "-", "not_caught"),
+                "fp": (MISSED, named[n], "-", "not_caught"),
                 "step": (verify.get(n) or {}).get("first_step") or steps,
             }
             for n in planted
@@ -43,7 +46,7 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     label = "DETECTED" if v == PASS else v
     for c in results.get("checkers", []):
         for f in c.get("findings", []):
-            mode = next((n for n in present if f["checker"] in REGISTRY[n].detectors), "-")
+            mode = next((named[n] for n in present if f["checker"] in REGISTRY[n].detectors), "-")
             fp = (label, mode, f["checker"], f.get("kind") or "-")
             if fp not in out or f["step"] < out[fp]:
                 out[fp] = f["step"]

@@ -58,6 +58,11 @@ SPACE = {
             "plateau_us": (2000.0, 5000.0),
         },
         "ordering_race": {"lag_steps": (1, 2), "probability": (0.2, 0.6), "from_step": (2, 5)},
+        "prefix_cache": {
+            "variant": ["partial_key", "weak_key", "evict_referenced", "stale_revive"],
+            "pairs": (1, 2),
+            "pressure_tokens": [0],
+        },
     },
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
@@ -65,8 +70,12 @@ SPACE = {
         "refcount_leak": 2,
         "staging_stall": 20,
         "ordering_race": 2,
+        "prefix_cache": 2,
     },
 }
+# Failure modes added after the soak's first draws take their own random stream: every seed's
+# draws for the others stay what they were.
+OWN_STREAM = ("prefix_cache",)
 
 
 def _draw(rng: random.Random, spec):
@@ -88,12 +97,13 @@ def generate_scenario(seed: int) -> dict:
     e, w = SPACE["engine"], SPACE["workload"]
     faults = []
     for name in REGISTRY:
-        if rng.random() < SPACE["fault_probability"]:
-            params = {k: _draw(rng, spec) for k, spec in SPACE["faults"][name].items()}
+        r = random.Random(f"{seed}/soak/{name}") if name in OWN_STREAM else rng
+        if r.random() < SPACE["fault_probability"] and not _excluded(name, faults):
+            params = {k: _draw(r, spec) for k, spec in SPACE["faults"][name].items()}
             faults.append(
                 {
                     "name": name,
-                    "defect": rng.random() < SPACE["defect_probability"],
+                    "defect": r.random() < SPACE["defect_probability"],
                     "params": params,
                 }
             )
@@ -138,6 +148,8 @@ def generate_scenario(seed: int) -> dict:
                 "phases": _draw(rng, w["cancel_phases"]),
             },
         }
+    if "prefix_cache" in names:
+        _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
@@ -167,6 +179,37 @@ def generate_scenario(seed: int) -> dict:
     if not faults:
         del data["faults"]
     return data
+
+
+def _excluded(name: str, faults: list[dict]) -> bool:
+    """A stall is judged on a steady decode-only stretch, which the prefix_cache trigger's
+    prefills would break: the two are never drawn together."""
+    return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
+
+
+def _fit_prefix_cache(engine: dict, workload: dict, fault: dict) -> None:
+    """The prefix_cache trigger needs prefix caching, rows (and a pool) for its requests and, for
+    partial_key, a prefill chunk that ends inside a block; its workload shares prefixes."""
+    from kvchaos.faults import REGISTRY
+
+    cache, bs = engine["cache"], engine["cache"]["block_size"]
+    cache["prefix_caching"] = True
+    if fault["params"]["variant"] == "partial_key" and engine["max_prefill_tokens"] % bs == 0:
+        engine["max_prefill_tokens"] += 1
+    need = REGISTRY["prefix_cache"].row_tokens(fault["params"], bs, engine["max_prefill_tokens"])
+    cache["max_blocks_per_seq"] = max(cache["max_blocks_per_seq"], -(-need // bs))
+    cache["num_blocks"] = max(cache["num_blocks"], 3 * cache["max_blocks_per_seq"])
+    if "cancel" not in workload:  # a staging-stall workload stays as it is
+        return
+    cap = cache["max_blocks_per_seq"] * bs
+    shared = max(1, min(24, cap // 4))
+    out = workload["output_len"]
+    out["max"] = max(out["min"], min(out["max"], cap - workload["prompt_len"]["max"] - shared))
+    workload["prefix"] = {
+        "groups": 2,
+        "prefix_len": {"dist": "uniform", "min": 1, "max": shared},
+        "share": 0.7,
+    }
 
 
 def parse_shard(text: str) -> tuple[int, int]:
