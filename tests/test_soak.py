@@ -174,20 +174,20 @@ def _du(path: Path) -> int:
     return total
 
 
-CAP = 5_000_000  # --max-disk 5MB
+CAP = 12_000_000  # --max-disk 12MB: runs with prefix-cache findings carry their evidence
 HANG_EVERY = 30
 
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory):
-    """One 60-second CPU soak under a 5 MB cap that keeps 3 passing runs, with an injected hang
+    """One 60-second CPU soak under a 12 MB cap that keeps 3 passing runs, with an injected hang
     every 30 runs; the tests below read what it left."""
     root = tmp_path_factory.mktemp("soak")
     budget = 60
     cmd = [sys.executable, "-m", "kvchaos.harness.cli", "soak", "--budget", f"{budget}s"]
     cmd += ["--device", "cpu", "--per-run-timeout", "2", "--report-dir", str(root)]
     cmd += ["--seed-start", "0", "--inject-hang-every", str(HANG_EVERY), "--quiet"]
-    cmd += ["--keep", "3", "--max-disk", "5MB"]
+    cmd += ["--keep", "3", "--max-disk", "12MB"]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=budget + 120)
     wall = time.monotonic() - t0
@@ -314,7 +314,7 @@ def test_the_summary_links_each_kept_run_and_shows_causes_plot_and_rerun(capped)
     # the rerun command, with its report dir
     argv = shlex.split(s["command"])
     assert argv[argv.index("--report-dir") + 1] == str(capped.root)
-    assert argv[argv.index("--max-disk") + 1] == "5MB" and argv[argv.index("--keep") + 1] == "3"
+    assert argv[argv.index("--max-disk") + 1] == "12MB" and argv[argv.index("--keep") + 1] == "3"
     assert html.escape(s["command"]) in page and s["command"] in md
     assert "--report-dir" in capped.proc.stdout  # the printed summary too
 

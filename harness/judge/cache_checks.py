@@ -107,7 +107,7 @@ def check_prefix_cache(events: list[dict]) -> CheckResult:
         kind = e.get("e")
         if kind == "kv_record":
             on = True
-        elif kind == "snapshot" and on and "cache" in e:
+        elif kind == "snapshot" and on and ("cache_n" in e or "cache" in e):
             judged += 1
         elif kind == "cache_mismatch":
             who = ", ".join(e["writers"][:4]) or "nobody"

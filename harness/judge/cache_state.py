@@ -11,13 +11,15 @@ written, slot by slot, and every hit against the entries of the blocks it served
   not_cached, tokens, parent.
 Judged after the step's writes, on the snapshot taken at that step's upload (a manager may key a
 block as it allocates it: its KV is written within the step). An entry is judged again only when
-its block was written since; a hit only on its own step's snapshot."""
+its block was written since, and told wrong once; a hit only on its own step's snapshot."""
 
 from __future__ import annotations
 
 from hashlib import blake2b
 
 from kvchaos.harness.judge.kv_record import KVRecord
+
+MAX_TOLD = 64  # cache_mismatch events a run writes (a cache gone stale has hundreds of entries)
 
 
 def _extend(d: bytes, token: int) -> bytes:
@@ -28,6 +30,8 @@ class CacheWatch:
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
         self.judged: dict[int, tuple[str, int]] = {}  # block -> (key, version) last judged
+        self.told: set[tuple[int, str]] = set()  # (block, key) of entries found wrong
+        self.untold = 0  # wrong entries past MAX_TOLD: counted, not written one by one
         self.hits: list[tuple[int, str, list[int], list[int]]] = []  # step, req, tokens, blocks
 
     def hit(self, step: int, req: str, tokens: list[int], blocks: list[int]) -> None:
@@ -49,7 +53,11 @@ class CacheWatch:
             b = e["block"]
             judged[b] = (e["key"], version[b])
             problem = self._content(rec, e, by_key)
-            if problem:
+            if problem and (b, e["key"]) not in self.told:  # an entry found wrong: told once
+                self.told.add((b, e["key"]))
+                if len(self.told) > MAX_TOLD:
+                    self.untold += 1
+                    continue
                 s = b * self.bs
                 writers = sorted({w for w in rec.writer[s : s + self.bs] if w is not None})
                 out.append(

@@ -12,6 +12,7 @@ from kvchaos.harness.judge.cache_checks import check_kv_reads, check_prefix_cach
 from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
 from kvchaos.harness.judge.latency import check_latency
 from kvchaos.harness.judge.manager_checks import check_admission, check_manager_calls
+from kvchaos.harness.judge.snapshots import apply_cache
 
 
 def check_oracle_divergence(events: list[dict]) -> CheckResult:
@@ -86,6 +87,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
     start = next(iter(_of(events, "run_start")), {})
     bs = start.get("config", {}).get("cache", {}).get("block_size")
     tokens: dict[str, int] = {}
+    cache: dict = {}  # the prefix cache as of the latest snapshot
     for e in events:
         kind = e.get("e")
         if kind == "cancel":
@@ -97,6 +99,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
         elif kind == "snapshot":
             snaps += 1
             s = e["step"]
+            cache = apply_cache(cache, e)
             ref, free, total = e["ref_counts"], e["free"], e["num_blocks"]
             reserved = set(e.get("reserved") or ())  # never handed out (vLLM's null block)
             held = sum(1 for b, r in enumerate(ref) if r > 0 and b not in reserved)
@@ -135,7 +138,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                     )
                 )
             if bs and e.get("seq_tokens") is not None:
-                found += _shared_writes(e, tokens, bs)
+                found += _shared_writes(e, tokens, bs, cache)
                 tokens = e["seq_tokens"]
             busy = [b for b in free if ref[b] != 0]
             if busy:
@@ -226,14 +229,14 @@ def _reserved_handed_out(snap: dict, reserved: set[int], seen: set[int]) -> list
     ]
 
 
-def _shared_writes(snap: dict, before: dict[str, int], bs: int) -> list[Finding]:
+def _shared_writes(snap: dict, before: dict[str, int], bs: int, cache: dict) -> list[Finding]:
     """Blocks that receive a sequence's new tokens while another sequence holds them too."""
     out = []
     ref = snap["ref_counts"]
     # A keyed block is shared by its key (a prefix-cache hit, over the same tokens): vLLM keys a
     # block as it allocates it, so a hit in the same step shares it before the pass writes its
     # last slots, legally. What such a block holds is judged by kv_reads, not here.
-    keyed = {c["block"] for c in snap.get("cache") or ()}
+    keyed = {b for b, _ in cache}
     for req, now in snap["seq_tokens"].items():
         was = before.get(req, now)  # a new (or forked) sequence: no write judged yet
         blocks = snap["seq_blocks"].get(req, [])

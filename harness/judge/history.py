@@ -17,7 +17,9 @@ Kinds and their fields:
   snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is
              running); taken as each step's table is uploaded (the table the kernels read), after
              a step that ran nothing, and once more at the end of the run (stamped one past the
-             last step)
+             last step). A prefix cache (`cache`) is stored as its change since the snapshot
+             before: cache_added (entries), cache_removed ([block, key]), cache_n (its size);
+             harness.judge.snapshots.apply_cache rebuilds it
   engine     kind (cow | staging_realloc | hit | refusal | table_resync | ...), data; a hit: req,
              known, answered, used, capped, blocks (those its admission found computed)
   kv_record  ranks: the per-block writer record is on (a manager offering a prefix cache); step 0
@@ -37,7 +39,8 @@ Kinds and their fields:
              checked in batches as they finish or are cancelled, and the rest when the run ends
   error      error, message, traceback
   run_end    reason (done | max_steps | interrupted | error), counters, fault_verify, kv_record
-             (with the record on: reads, slots_verified, shared_slots, own_ranks)
+             (with the record on: reads, slots_verified, shared_slots, own_ranks,
+             cache_untold: wrong cache entries past the 64 written as cache_mismatch)
 """
 
 from __future__ import annotations

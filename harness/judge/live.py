@@ -20,7 +20,7 @@ from kvchaos.harness.judge.kv_record import RankRecords
 from kvchaos.harness.judge.oracle import Oracle
 from kvchaos.harness.judge.reference import cross_check
 from kvchaos.harness.judge.scenario import Scenario
-from kvchaos.harness.judge.snapshots import problem
+from kvchaos.harness.judge.snapshots import cache_delta, problem
 from kvchaos.harness.judge.telemetry import Telemetry
 from kvchaos.harness.judge.workload import build_plan
 
@@ -82,6 +82,7 @@ class LiveRun:
         self.cross_checked = False  # the shared model code against the reference, once a run
         self.known_diverged: set[str] = set()  # reported by a live check: not collected again
         self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
+        self.cache_state: dict = {}  # the prefix cache as of the latest snapshot event
         self.engine.record_writes = observe
         self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
         self.telemetry = Telemetry.from_env(device)
@@ -95,9 +96,11 @@ class LiveRun:
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        self.h.append(
-            {"e": "snapshot", "step": step, **snap.to_dict(), "live": [s.id for s in e.running]}
-        )
+        d = snap.to_dict()
+        if "cache" in d:
+            delta, self.cache_state = cache_delta(self.cache_state, d.pop("cache"))
+            d.update(delta)
+        self.h.append({"e": "snapshot", "step": step, **d, "live": [s.id for s in e.running]})
 
     def _check_writes(self, step: int) -> None:
         """The blocks each sequence's KV was written to this step (the engine's slot mapping, the
@@ -445,7 +448,11 @@ class LiveRun:
                 "manager_calls": dict(self.engine.bm.calls),
                 "fault_verify": verify,
                 "telemetry": self.telemetry.summary(),
-                **({"kv_record": self.kv.stats()} if self.kv is not None else {}),
+                **(
+                    {"kv_record": {**self.kv.stats(), "cache_untold": self.cache_watch.untold}}
+                    if self.kv is not None
+                    else {}
+                ),
             }
         )
         return verify

@@ -75,3 +75,24 @@ def _ints(xs, lo: int, hi: int | None) -> bool:
     if not xs:
         return True
     return set(map(type, xs)) == {int} and min(xs) >= lo and (hi is None or max(xs) < hi)
+
+
+def cache_delta(prev: dict, cache: list[dict]) -> tuple[dict, dict]:
+    """A snapshot's cache as a history event holds it: what changed since the previous snapshot
+    event (a cache of hundreds of entries, whole in every step's event, would swamp the history).
+    Returns (the event's fields, the state to diff the next one against)."""
+    now = {(e["block"], e["key"]): e for e in cache}
+    added = [e for k, e in now.items() if k not in prev]
+    removed = [list(k) for k in prev if k not in now]
+    return {"cache_added": added, "cache_removed": removed, "cache_n": len(now)}, now
+
+
+def apply_cache(state: dict, event: dict) -> dict:
+    """The cache a snapshot event stands for ((block, key) -> entry), from the one before it."""
+    if "cache" in event:  # whole (a snapshot outside a history)
+        return {(e["block"], e["key"]): e for e in event["cache"]}
+    for b, k in event.get("cache_removed", ()):
+        state.pop((b, k), None)
+    for e in event.get("cache_added", ()):
+        state[(e["block"], e["key"])] = e
+    return state
