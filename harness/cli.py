@@ -184,7 +184,7 @@ def cmd_run(args) -> int:
 
     isolated = not args.in_process and "RANK" not in os.environ  # torchrun's ranks: in-process
     if isolated:
-        isolate.start_server()  # it imports torch while this process does too
+        isolate.start_server(args.block_manager)  # it imports torch while this process does too
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

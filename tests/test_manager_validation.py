@@ -55,6 +55,54 @@ MODULES = {
             def fork(self, parent_id, child_id):
                 return [][0]
         """,
+    "bm_v2.py": """
+        from kvchaos.engine.protocols import Snapshot
+
+        class OnlyDeclares:
+            kvchaos_protocol = 2
+
+            def __init__(self, *args):
+                pass
+
+        class V2(OnlyDeclares):
+            block_size, num_blocks, num_free_blocks = 2, 8, 8
+
+            def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+                return 0
+
+            def append(self, seq_id, token_ids):
+                return []
+
+            def block_ids(self, seq_id):
+                return []
+
+            def release(self, seq_id, reason):
+                return False
+
+            def snapshot(self):
+                return Snapshot(8, list(range(8)), [0] * 8, {})
+
+        class AnswersTooMuch(V2):
+            def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+                return len(token_ids) + 1
+
+        class ReleaseSaysNothing(V2):
+            def release(self, seq_id, reason):
+                pass
+
+        class EndStepCrashes(V2):
+            capabilities = frozenset({"end_step"})
+
+            def end_step(self, computed):
+                raise KeyError("smoke-z")
+
+        class ReservesOutsideThePool(V2):
+            reserved_blocks = (8,)
+
+        class SnapshotWithoutBlocks(V2):
+            def snapshot(self):
+                return Snapshot(8, list(range(8)), [0] * 8, None)
+        """,
 }
 BAD = [
     ("bm_none:NOTHING", "'bm_none:NOTHING' is NoneType, not a block manager class or factory"),
@@ -69,6 +117,12 @@ BAD = [
     ("bm_wrong:DictCopies", "append('smoke-a', 3) returned dict, not a list of (src, dst)"),
     ("bm_wrong:ForkCrashes", "fork('smoke-a', 'smoke-b') raised IndexError"),
     ("bm_nosuch:BM", "cannot import bm_nosuch"),
+    ("bm_v2:OnlyDeclares", "declares kvchaos_protocol = 2 but lacks block_size, num_blocks, num"),
+    ("bm_v2:AnswersTooMuch", "admit('smoke-a', [1, 2, 3, 4, 5], 5, 4) answered 6: computed token"),
+    ("bm_v2:ReleaseSaysNothing", "release('smoke-a', 'finished') answered None: release answers"),
+    ("bm_v2:EndStepCrashes", "end_step({'smoke-a': 5}) raised KeyError: 'smoke-z'"),
+    ("bm_v2:ReservesOutsideThePool", "reserved_blocks is (8,), not a tuple of block ids in [0, 8)"),
+    ("bm_v2:SnapshotWithoutBlocks", "snapshot() field seq_blocks is nothing, not dict"),
 ]
 
 

@@ -89,31 +89,10 @@ def _guarded(target: bool = False):
     return wrap
 
 
-class ConformanceMachine(RuleBasedStateMachine):
-    """Set `factory` (a subclass does): the block manager class or factory under test."""
+class Judging:
+    """Judging properties and calling the manager, for a conformance machine (protocol v1 here,
+    v2 in conformance_v2): set `enabled`, `tally`, `bm` and `stopped`."""
 
-    factory = None
-    enabled: frozenset[str] = frozenset(PROPERTIES)  # judged; another one failing stops
-    tally: Counter | None = None  # judgements made, by property
-
-    seqs = Bundle("seq")
-    freed = Bundle("freed")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bm = None
-        self.caps: frozenset[str] = frozenset()
-        self.content: dict[str, list[int]] = {}  # live sequence -> labels of its tokens
-        self.kv: dict[int, dict[int, int]] = {}  # block -> slot -> label written there
-        self.origin: dict[int, tuple[str, int]] = {}  # label -> (sequence, position)
-        self.labels = itertools.count(1)
-        self.ids = itertools.count(1)
-        self.stopped = False
-        self.step = 0
-        self.resizes = 0
-        self.prev: dict | None = None  # the last snapshot event (for writes into shared blocks)
-
-    # -- judging ---------------------------------------------------------------------------
     def judge(self, prop: str, ok: bool, message) -> None:
         if self.tally is not None:
             self.tally[prop] += 1
@@ -142,6 +121,31 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def read(self, name: str):
         return self.call(f"reading {name}", getattr, self.bm, name)
+
+
+class ConformanceMachine(Judging, RuleBasedStateMachine):
+    """Set `factory` (a subclass does): the block manager class or factory under test."""
+
+    factory = None
+    enabled: frozenset[str] = frozenset(PROPERTIES)  # judged; another one failing stops
+    tally: Counter | None = None  # judgements made, by property
+
+    seqs = Bundle("seq")
+    freed = Bundle("freed")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = None
+        self.caps: frozenset[str] = frozenset()
+        self.content: dict[str, list[int]] = {}  # live sequence -> labels of its tokens
+        self.kv: dict[int, dict[int, int]] = {}  # block -> slot -> label written there
+        self.origin: dict[int, tuple[str, int]] = {}  # label -> (sequence, position)
+        self.labels = itertools.count(1)
+        self.ids = itertools.count(1)
+        self.stopped = False
+        self.step = 0
+        self.resizes = 0
+        self.prev: dict | None = None  # the last snapshot event (for writes into shared blocks)
 
     # -- what the engine sees ----------------------------------------------------------------
     def layout(self):

@@ -6,9 +6,12 @@ refusal would then escape the engine as an unexpected exception. Loading refuses
 `kvchaos.*` import to use instead.
 
 `validate_manager` is the check before any run: the factory builds a manager on a tiny pool, the
-manager has the protocol's attributes, and a short smoke sequence (append, fork, free, snapshot)
-runs without an exception and answers in the protocol's types. Whether its answers are true is
-for the runs' checkers and `kvchaos conformance` to judge, not for the door."""
+manager has the protocol's attributes, and a short smoke sequence (v1: append, fork, free,
+snapshot; v2: admit, block_ids, append, end_step, fork, release, snapshot) runs without an
+exception and answers in the protocol's types. Whether its answers are true is for the runs'
+checkers and `kvchaos conformance` to judge, not for the door.
+
+Shipped adapters have short names (ALIASES): `--block-manager vllm` is vLLM v1's KVCacheManager."""
 
 from __future__ import annotations
 
@@ -26,13 +29,16 @@ ROOT = Path(kvchaos.__file__).resolve().parent
 OLD_TOP_LEVEL = ("engine", "faults", "harness", "scenarios")
 REFERENCE = "kvchaos.engine.block_manager:BlockManager"  # the reference block manager
 MIN_COPY_BYTES = 200  # an empty __init__.py of the same name is no copy
+ALIASES = {"vllm": "kvchaos.harness.adapters.vllm:VLLMManager"}  # shipped adapters' short names
 
 
 def canonical_spec(spec: str | None) -> str | None:
     """A recorded spec in today's names: 'engine.block_manager:BlockManager' (recorded before
-    kvchaos had one import name) -> 'kvchaos.engine.block_manager:BlockManager'."""
+    kvchaos had one import name) -> 'kvchaos.engine.block_manager:BlockManager'; an alias
+    ('vllm') -> the adapter it names."""
     if not spec:
         return spec
+    spec = ALIASES.get(spec, spec)
     mod, sep, attr = spec.partition(":")
     if (
         mod.split(".")[0] in OLD_TOP_LEVEL
@@ -89,10 +95,9 @@ def second_copies() -> list[tuple[str, str]]:
 def load_object(spec: str):
     """'module:attr' -> the object. ValueError (bad input: one line) when the module cannot be
     imported, lacks the attribute, or brought in a second copy of kvchaos's modules."""
-    spec = canonical_spec(spec)
-    mod, _, attr = spec.partition(":")
+    mod, _, attr = canonical_spec(spec).partition(":")  # messages name the spec as given
     if not mod or not attr:
-        raise ValueError(f"{spec!r}: expected module:attr")
+        raise ValueError(f"{spec!r}: expected module:attr, or an adapter: {', '.join(ALIASES)}")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as pytest makes its rootdir importable
     try:
@@ -169,7 +174,7 @@ def _read(bm, name: str):
     return value
 
 
-def _snapshot(bm) -> None:
+def _snapshot(bm, fields=SNAPSHOT_FIELDS) -> None:
     snap = _call(bm, "snapshot")
     try:
         d = snap.to_dict()
@@ -177,7 +182,7 @@ def _snapshot(bm) -> None:
         raise _Refused(
             f"snapshot() returned {type(snap).__name__}, not a kvchaos.engine.protocols.Snapshot"
         ) from None
-    for field, kind in SNAPSHOT_FIELDS.items():
+    for field, kind in fields.items():
         if not isinstance(d.get(field), kind) or isinstance(d.get(field), bool):
             got = type(d.get(field)).__name__ if field in d else "nothing"
             raise _Refused(f"snapshot() field {field} is {got}, not {kind.__name__}")
@@ -185,8 +190,10 @@ def _snapshot(bm) -> None:
 
 def _smoke(bm) -> None:
     """A sequence's life on the tiny pool: every call answers, in the protocol's types."""
-    from kvchaos.engine.protocols import BlockManagerProtocol, capabilities
+    from kvchaos.engine.protocols import BlockManagerProtocol, capabilities, protocol_version
 
+    if protocol_version(bm) >= 2:
+        return _smoke_v2(bm)
     members = [*BlockManagerProtocol.__annotations__, *vars(BlockManagerProtocol)]
     missing = [n for n in members if not n.startswith("_") and not _has(bm, n)]
     missing += [f"table.{n}" for n in TABLE_MEMBERS if _has(bm, "table") and not _has(bm.table, n)]
@@ -214,6 +221,90 @@ def _smoke(bm) -> None:
     for seq in ("smoke-a", "smoke-a", "smoke-b", "never-seen"):  # free is idempotent
         _call(bm, "free", seq)
     _snapshot(bm)
+
+
+V2_MEMBERS = (
+    "block_size",
+    "num_blocks",
+    "num_free_blocks",
+    "admit",
+    "append",
+    "block_ids",
+    "release",
+    "snapshot",
+)  # kvchaos.engine.protocols.KVManager
+OWN_TABLE_MEMBERS = ("table", "num_free_rows", "resize_table")
+V2_SNAPSHOT_FIELDS = {
+    k: SNAPSHOT_FIELDS[k] for k in ("num_blocks", "free", "ref_counts", "seq_blocks")
+}
+_REFUSED = object()  # a v2 call answered OutOfBlocks
+
+
+def _v2(bm, name: str, *args):
+    """One v2 call; its answer held to what the engine's boundary accepts (engine.boundary)."""
+    from kvchaos.engine.boundary import ANSWERS, BadAnswer, describe
+    from kvchaos.engine.errors import OutOfBlocks
+
+    shown = describe(name, args)
+    try:
+        out = getattr(bm, name)(*args)
+    except OutOfBlocks:
+        return _REFUSED
+    except Exception as e:
+        raise _Refused(f"{shown} raised {type(e).__name__}: {_line(e)}") from None
+    try:
+        ANSWERS.get(name, lambda *_: None)(out, *args)
+    except BadAnswer as e:
+        raise _Refused(f"{shown} {e}") from None
+    return out
+
+
+def _smoke_v2(bm) -> None:
+    """Protocol v2 (kvchaos_protocol = 2): admissions sharing a prefix, growth, the optional
+    calls it declares, every release reason; the table only when the manager owns one."""
+    from kvchaos.engine.protocols import capabilities
+
+    caps = capabilities(bm)
+    wanted = V2_MEMBERS + (OWN_TABLE_MEMBERS if "own_table" in caps else ())
+    missing = [n for n in wanted if not _has(bm, n)]
+    if missing:
+        raise _Refused(
+            f"{type(bm).__name__} declares kvchaos_protocol = 2 but lacks {', '.join(missing)} "
+            "(kvchaos.engine.protocols.KVManager)"
+        )
+    for name in ("num_blocks", "num_free_blocks", "block_size"):
+        _read(bm, name)
+    n = bm.num_blocks
+    reserved = getattr(bm, "reserved_blocks", ())
+    if not isinstance(reserved, (tuple, list)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < n for b in reserved
+    ):
+        raise _Refused(f"reserved_blocks is {reserved!r}, not a tuple of block ids in [0, {n})")
+    fields = SNAPSHOT_FIELDS if "own_table" in caps else V2_SNAPSHOT_FIELDS  # table: the engine's
+    if "own_table" in caps:
+        _read(bm, "num_free_rows")
+        missing = [f"table.{m}" for m in TABLE_MEMBERS if not _has(bm.table, m)]
+        if missing:
+            raise _Refused(f"{type(bm).__name__} owns a table that lacks {', '.join(missing)}")
+    step = (lambda done: _v2(bm, "end_step", done)) if "end_step" in caps else (lambda _: None)
+    prompt = [1, 2, 3, 4, 5]
+    if _v2(bm, "admit", "smoke-a", prompt, 5, 4) is not _REFUSED:
+        _v2(bm, "block_ids", "smoke-a")
+        step({"smoke-a": 5})
+        if _v2(bm, "append", "smoke-a", [6]) is not _REFUSED:
+            step({"smoke-a": 6})
+    _snapshot(bm, fields)
+    if "fork" in caps and _v2(bm, "fork", "smoke-a", "smoke-b") is not _REFUSED:
+        _v2(bm, "append", "smoke-b", [7])
+        _snapshot(bm, fields)
+    if _v2(bm, "admit", "smoke-c", prompt + [8, 9], 7, 6) is not _REFUSED:  # a hit, with a cache
+        _v2(bm, "block_ids", "smoke-c")
+        _snapshot(bm, fields)
+    for seq, why in (("smoke-a", "finished"), ("smoke-a", "finished"), ("smoke-b", "aborted")):
+        _v2(bm, "release", seq, why)
+    for seq, why in (("smoke-c", "preempted"), ("never-seen", "error")):  # release is idempotent
+        _v2(bm, "release", seq, why)
+    _snapshot(bm, fields)
 
 
 def _has(obj, name: str) -> bool:

@@ -9,10 +9,12 @@ blocks_needed (the manager may take more or fewer blocks); every sequence reads 
 the block table, what was written (so copy-on-write keeps every holder's data, and rows and
 resize keep every sequence's blocks); free is idempotent; each snapshot passes the checks a run
 makes of it against what the harness saw. A property that needs a capability the manager does
-not declare (fork, seq_tokens, append_decode) is reported "not applicable". A failure is shrunk
-to a short history of steps and printed. The same seed gives the same result. The same tests
-run under pytest: `pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a
-property.
+not declare (fork, seq_tokens, append_decode) is reported "not applicable". A protocol v2
+manager (kvchaos_protocol = 2) is driven in v2 calls instead (kvchaos.harness.judge.
+conformance_v2: admissions from shared templates so its cache hits, growth, end_step, every
+release reason, failed steps) and judged on PROPERTIES_V2. A failure is shrunk to a short history
+of steps and printed. The same seed gives the same result. The same tests run under pytest:
+`pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a property.
 
 Exit codes: 0 every applicable property passed, 1 one failed, 2 bad input."""
 
@@ -30,13 +32,15 @@ from hypothesis import seed as use_seed
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvchaos.engine.protocols import protocol_version
 from kvchaos.harness.judge.conformance import (
     PROPERTIES,
     ConformanceMachine,
     Violation,
     applicable,
 )
-from kvchaos.harness.judge.user_code import validate_manager
+from kvchaos.harness.judge.conformance_v2 import PROPERTIES_V2, ConformanceMachineV2
+from kvchaos.harness.judge.user_code import load_object, validate_manager
 
 EXIT_FAILED = 1
 EXAMPLES, STEPS, SHRINK_S = 200, 30, 10.0  # 200 histories of 30 steps: ~2 s on the reference
@@ -84,11 +88,14 @@ def _shrinking_for(seconds: float):
 def run_conformance(
     factory, examples: int = EXAMPLES, seed: int = 0, steps: int = STEPS, shrink_s=SHRINK_S
 ) -> list[PropertyResult]:
-    """Every property of PROPERTIES for the manager `factory` builds: passed, failed (with the
-    steps that show it, shrunk for at most shrink_s seconds) or not applicable. Runs the machine
-    again without each property that failed, until the rest pass."""
-    caps = applicable(factory(16, 4, 4, 8))
-    judged = {p for p, (need, _) in PROPERTIES.items() if need is None or need in caps}
+    """Every property of its suite (PROPERTIES, or PROPERTIES_V2 for a protocol v2 manager) for
+    the manager `factory` builds: passed, failed (with the steps that show it, shrunk for at most
+    shrink_s seconds) or not applicable. Runs the machine again without each property that
+    failed, until the rest pass."""
+    manager = factory(16, 4, 4, 8)
+    caps = applicable(manager)
+    base, props = suite(manager)
+    judged = {p for p, (need, _) in props.items() if need is None or need in caps}
     tally: Counter = Counter()
     failed: dict[str, tuple] = {}
     config = settings(
@@ -103,7 +110,7 @@ def run_conformance(
     while True:
         machine = type(
             "BlockManagerConformance",
-            (ConformanceMachine,),
+            (base,),
             {"factory": factory, "enabled": frozenset(judged - set(failed)), "tally": tally},
         )
         said: list[str] = []  # Hypothesis's reports (the steps come as the error's notes)
@@ -120,7 +127,7 @@ def run_conformance(
             cut = any("stopped because" in line for line in said)  # its shrink-time warning
             failed[v.prop] = (str(v).partition(": ")[2], steps_, not cut)
     out = []
-    for name, (need, says) in PROPERTIES.items():
+    for name, (need, says) in props.items():
         if name not in judged:
             out.append(
                 PropertyResult(name, says, "not applicable", message=f"declares no {need!r}")
@@ -131,6 +138,13 @@ def run_conformance(
             status = "passed" if tally[name] else "not exercised"
             out.append(PropertyResult(name, says, status, tally[name]))
     return out
+
+
+def suite(manager) -> tuple[type, dict]:
+    """The state machine and properties for a manager: protocol v2's, or v1's."""
+    if protocol_version(manager) >= 2:
+        return ConformanceMachineV2, PROPERTIES_V2
+    return ConformanceMachine, PROPERTIES
 
 
 def describe_failure(r: PropertyResult) -> list[str]:
@@ -259,6 +273,7 @@ class ConformanceItem(pytest.Item):
 
 
 def conformance_items(session, spec: str) -> list[ConformanceItem]:
+    _, props = suite(load_object(spec)(16, 4, 4, 8))
     return [
         ConformanceItem.from_parent(
             session,
@@ -267,5 +282,5 @@ def conformance_items(session, spec: str) -> list[ConformanceItem]:
             prop=name,
             spec=spec,
         )
-        for name in PROPERTIES
+        for name in props
     ]
