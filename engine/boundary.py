@@ -10,6 +10,7 @@ V1Shim (engine/compat.py) speaks v2 over it."""
 
 from __future__ import annotations
 
+import time
 import traceback
 
 from kvchaos.engine.errors import KVChaosError, OutOfBlocks
@@ -137,6 +138,8 @@ class Boundary:
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
         object.__setattr__(self, "calls", dict.fromkeys(calls, 0))  # calls made, by name
         object.__setattr__(self, "refusals", 0)
+        # seconds spent snapshotting for refusals (the harness's cost inside a step's timings)
+        object.__setattr__(self, "snapshot_s", [0.0])
         object.__setattr__(self, "validate", calls is CALLS_V2)  # v2 answers are checked
         for name in calls:
             if hasattr(manager, name):
@@ -177,7 +180,10 @@ class Boundary:
         m = self.manager
         free = m.num_free_blocks
         if self.refusals or free <= max(LOW_POOL_BLOCKS, m.num_blocks // 8):
-            return free, m.snapshot()
+            t = time.perf_counter()
+            snap = m.snapshot()
+            self.snapshot_s[0] += time.perf_counter() - t
+            return free, snap
         return free, None
 
     def _changed_by_refusal(self, before) -> str | None:
@@ -186,7 +192,10 @@ class Boundary:
         after = self.manager.num_free_blocks
         if snap is None:
             return f"free blocks {free} -> {after}" if after != free else None
-        return state_change(snap, self.manager.snapshot())
+        t = time.perf_counter()
+        now = self.manager.snapshot()
+        self.snapshot_s[0] += time.perf_counter() - t
+        return state_change(snap, now)
 
     def _enter(self, call: tuple | None) -> None:
         """Record the call in progress ((name, args), or None once it returned or raised)."""

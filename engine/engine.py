@@ -85,6 +85,7 @@ class Engine(BatchBuilder):
             self.bm = as_v2(manager, Boundary(manager))
             self.offers = self.bm.capabilities
         self.capabilities = capabilities(manager)  # the manager's own (run records)
+        self.reserved = tuple(getattr(manager, "reserved_blocks", ()) or ())  # never handed out
         self.table = (
             OwnedTable(self.bm)  # the manager writes the table the kernels read
             if "own_table" in self.offers
@@ -184,9 +185,11 @@ class Engine(BatchBuilder):
             )
         bs, table = self.bm.block_size, self.table.table
         blocks = -(-total // bs)
-        if blocks > self.bm.num_blocks:
+        usable = self.bm.num_blocks - len(self.reserved)
+        if blocks > usable:
             raise RequestRejected(
-                f"request {request_id!r}: needs {blocks} blocks, the pool has {self.bm.num_blocks}"
+                f"request {request_id!r}: needs {blocks} blocks, the pool has {usable}"
+                + (f" usable ({len(self.reserved)} reserved)" if self.reserved else "")
             )
         if blocks > table.width:
             self.counters["overlong_requests"] += 1
@@ -310,6 +313,8 @@ class Engine(BatchBuilder):
         if not t.owned:
             snap.table, snap.table_width = t.table.host.tolist(), t.table.width
             snap.seq_rows = dict(t.rows)
+        if snap.reserved is None and self.reserved:  # its declared reserved ids, judged
+            snap.reserved = list(self.reserved)
         return snap
 
     # -- scheduling ----------------------------------------------------------------------

@@ -13,7 +13,8 @@ Kinds and their fields:
              wait_s (on other real ranks before the model), free_blocks, running, waiting,
              prefill_tokens, decode_tokens, preempted, tokens {req: token}, finished,
              table_version, stale_ranks, rank_crcs, table_crc, cpu_s, and telemetry (RSS, CPU, GPU
-             fields) on sampled steps
+             fields) on sampled steps; harness_s (the harness's own snapshots inside the step,
+             already taken out of latency_s, host_s and upload_s)
   snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is
              running); taken as each step's table is uploaded (the table the kernels read), after
              a step that ran nothing, and once more at the end of the run (stamped one past the
@@ -148,6 +149,7 @@ UNSTABLE_KEYS = frozenset(
         "upload_s",
         "wait_s",
         "cpu_s",
+        "harness_s",
         "time",
         "wall_s",
         "telemetry",

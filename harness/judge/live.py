@@ -83,6 +83,7 @@ class LiveRun:
         self.known_diverged: set[str] = set()  # reported by a live check: not collected again
         self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
         self.cache_state: dict = {}  # the prefix cache as of the latest snapshot event
+        self.observe_s = 0.0  # the harness's own time inside the step now running (snapshots)
         self.engine.record_writes = observe
         self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
         self.telemetry = Telemetry.from_env(device)
@@ -131,9 +132,14 @@ class LiveRun:
         e = self.engine
         every = self.sc.run.snapshot_every
         if self.observe:
-            e.seams.on_upload = lambda: (
-                self.snapshot(e.step_count) if e.step_count % every == 0 else None
-            )
+
+            def on_upload() -> None:
+                if e.step_count % every == 0:
+                    t = time.perf_counter()
+                    self.snapshot(e.step_count)
+                    self.observe_s += time.perf_counter() - t
+
+            e.seams.on_upload = on_upload
         if self.observe and "prefix_cache" in e.offers:  # reads of KV other requests wrote
             self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size)
             self.cache_watch = CacheWatch(e.bm.block_size)
@@ -390,13 +396,18 @@ class LiveRun:
                 self.snapshot(
                     st.step
                 )  # nothing was uploaded (nothing could run): still look, every step
+            # the harness's snapshots ran inside the step (the one at upload, those the boundary
+            # takes to judge refusals): the step's timings are the engine's without them
+            at_upload, box = self.observe_s, e.bm.snapshot_s
+            spent, self.observe_s, box[0] = at_upload + box[0], 0.0, 0.0
             h.append(
                 {
                     "e": "step",
                     "step": st.step,
-                    "latency_s": st.latency_s,
-                    "host_s": st.host_s,
-                    "upload_s": st.upload_s,
+                    "latency_s": max(0.0, st.latency_s - spent),
+                    "host_s": max(0.0, st.host_s - spent),
+                    "upload_s": max(0.0, st.upload_s - at_upload),
+                    "harness_s": spent,
                     "wait_s": st.wait_s,
                     "cpu_s": st.cpu_s,
                     "free_blocks": st.free_blocks,
