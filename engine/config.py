@@ -91,7 +91,8 @@ class CacheConfig:
     max_num_seqs: int = 16
     overflow_policy: str = "reject"
     watermark: float = 0.0  # fraction of blocks kept free at admission, to avoid instant preemption
-    prefix_caching: bool = False  # the reference manager reuses cached prefixes (PrefixCaching...)
+    # the reference manager caches prefixes (PrefixCachingManager); false: the plain BlockManager
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_blocks_per_seq", "max_num_seqs"):
@@ -163,12 +164,7 @@ class EngineConfig:
         return "triton" if torch.device(self.device).type == "cuda" else "torch"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        if (
-            not self.cache.prefix_caching
-        ):  # fields added later leave older runs' hashes as they were
-            del d["cache"]["prefix_caching"]
-        return d
+        return asdict(self)
 
     def config_hash(self) -> str:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()

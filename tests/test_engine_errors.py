@@ -43,6 +43,7 @@ def make_engine(policy="reject", num_blocks=POOL, **kw) -> Engine:
         max_blocks_per_seq=WIDTH,
         max_num_seqs=4,
         overflow_policy=policy,
+        prefix_caching=False,  # the plain reference manager, whose table and pool these inspect
     )
     return Engine(
         EngineConfig(

@@ -47,7 +47,7 @@ def make_engine(
         num_blocks=num_blocks,
         max_blocks_per_seq=max_blocks_per_seq,
         max_num_seqs=max_num_seqs,
-        **cache_kw,
+        **{"prefix_caching": False, **cache_kw},  # the plain manager's pool and table, inspected
     )
     return Engine(
         EngineConfig(

@@ -77,6 +77,7 @@ def test_the_engine_must_cache_prefixes_and_fit_the_trigger():
 def test_a_scenario_without_prefix_caching_is_refused_at_load_naming_the_key():
     data = {
         "scenario": {"name": "pc-no-cache"},
+        "engine": {"cache": {"prefix_caching": False}},
         "faults": [{"name": "prefix_cache", "params": {"variant": "stale_revive"}}],
         "expect": {"outcome": "detect", "checkers": ["kv_reads"]},
     }

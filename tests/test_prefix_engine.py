@@ -122,12 +122,12 @@ def test_an_answer_over_the_cap_is_capped_and_counted():
     assert eng.counters["hits_capped"] == 1 and got["b"][1] == 1  # only the last token
 
 
-def test_prefix_caching_off_leaves_the_config_hash_of_older_runs():
-    cfg = config(False)
-    assert "prefix_caching" not in cfg.to_dict()["cache"]
+def test_prefix_caching_is_on_by_default_and_in_the_config_hash():
+    on, off = EngineConfig(), config(False)
+    assert on.cache.prefix_caching and on.to_dict()["cache"]["prefix_caching"] is True
     assert (
-        cfg.config_hash()
-        != replace(cfg, cache=replace(cfg.cache, prefix_caching=True)).config_hash()
+        off.config_hash()
+        != replace(off, cache=replace(off.cache, prefix_caching=True)).config_hash()
     )
 
 

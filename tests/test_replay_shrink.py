@@ -210,7 +210,7 @@ def test_a_run_recorded_before_one_import_name_still_replays_and_analyzes(run_di
     hist = run_dir / "history.jsonl"
     events = [json.loads(line) for line in hist.read_text().splitlines()]
     assert events[0]["e"] == "run_start"
-    events[0]["block_manager"] = "engine.block_manager:BlockManager"
+    events[0]["block_manager"] = events[0]["block_manager"].removeprefix("kvchaos.")
     hist.write_text("".join(json.dumps(e) + "\n" for e in events))
     res = json.loads((run_dir / "results.json").read_text())
     res.pop("block_manager", None)

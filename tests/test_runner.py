@@ -258,7 +258,7 @@ def test_run_folder_contents(tiny, tmp_path):
     events = read_history(r.run_dir / "history.jsonl")
     start = next(e for e in events if e["e"] == "run_start")
     assert start["seed"] == 0 and start["config_hash"] == res["config_hash"] and start["plan"]
-    assert start["block_manager"] == "kvchaos.engine.block_manager:BlockManager"
+    assert start["block_manager"] == "kvchaos.engine.prefix_manager:PrefixCachingManager"
     assert events[-1]["e"] == "run_end" and events[-1]["reason"] == "done"
     assert res["steps"] == len([e for e in events if e["e"] == "step"]) == res["metrics"]["steps"]
     assert res["replay"] == f"kvchaos run {tiny.source} --seed 0 --device cpu"
@@ -334,7 +334,7 @@ class LeakyBM(BlockManager):
 
 def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
     assert isinstance(ProtocolOnlyBM(8, 4, 2, 4), BlockManagerProtocol)
-    ref = run_scenario(tiny, 1, report_dir=tmp_path / "ref")
+    ref = run_scenario(tiny, 1, report_dir=tmp_path / "ref", block_manager=BlockManager)
     own = run_scenario(tiny, 1, report_dir=tmp_path / "own", block_manager=ProtocolOnlyBM)
     assert own.verdict == ref.verdict == "PASS"
     ev_ref, ev_own = (read_history(r.run_dir / "history.jsonl") for r in (ref, own))

@@ -235,7 +235,9 @@ def test_engine_reads_its_table_component():
         vocab_size=31,
         max_position=64,
     )
-    cache = CacheConfig(block_size=4, num_blocks=16, max_blocks_per_seq=4, max_num_seqs=2)
+    cache = CacheConfig(
+        block_size=4, num_blocks=16, max_blocks_per_seq=4, max_num_seqs=2, prefix_caching=False
+    )
     eng = Engine(EngineConfig(model=model, cache=cache, seed=1, attention_backend="torch"))
     assert isinstance(eng.table, OwnedTable) and eng.table.table is eng.bm.manager.table
     eng.add_request("r", [1, 2, 3, 4, 5], 3)

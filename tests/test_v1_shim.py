@@ -286,6 +286,8 @@ def test_v2_manager_runs_a_clean_scenario_to_pass():
     r = run_scenario(sc, 0, "cpu", None, block_manager=V2Manager)
     assert r.verdict == "PASS", r.summary
     assert r.results["block_manager_protocol"] == 2
-    assert run_scenario(sc, 0, "cpu", None).results["block_manager_protocol"] == 1
+    assert run_scenario(sc, 0, "cpu", None).results["block_manager_protocol"] == 2  # the default
+    plain = run_scenario(sc, 0, "cpu", None, block_manager=BlockManager)
+    assert plain.results["block_manager_protocol"] == 1
     end = next(e for e in r.events if e["e"] == "run_end")
     assert end["manager_calls"]["admit"] > 0 and end["manager_calls"]["release"] > 0

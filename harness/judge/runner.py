@@ -22,7 +22,7 @@ from kvchaos.harness.judge.history import History
 from kvchaos.harness.judge.live import LiveRun
 from kvchaos.harness.judge.scenario import Scenario, ScenarioError
 from kvchaos.harness.judge.toml_writer import dumps
-from kvchaos.harness.judge.user_code import REFERENCE, load_object
+from kvchaos.harness.judge.user_code import REFERENCE, load_object, reference_spec
 from kvchaos.harness.judge.verdict import decide
 
 DEFAULT_REPORT_DIR = Path("reports")
@@ -150,7 +150,7 @@ def run_scenario(
                 "commit": git_commit(),
                 "device": device,
                 "time": dt.datetime.now().isoformat(timespec="seconds"),
-                "block_manager": block_manager_spec or REFERENCE,
+                "block_manager": block_manager_spec or reference_spec(cfg.cache),
                 "capabilities": sorted(run.engine.capabilities),
                 "telemetry": run.telemetry.status(),
                 "plan": [a.to_dict() for a in run.plan.actions],
@@ -198,7 +198,8 @@ def run_scenario(
         "commit": git_commit(),
         "config_hash": run.cfg.config_hash() if run else None,
         "device": device,
-        "block_manager": block_manager_spec or REFERENCE,
+        "block_manager": block_manager_spec
+        or (reference_spec(run.cfg.cache) if run else REFERENCE),
         # what the manager itself speaks (1: through V1Shim); not in the history, so digests stay
         "block_manager_protocol": run.engine.protocol if run else None,
         "tp_mode": run.cfg.tp_mode if run else tp.get("tp_mode"),

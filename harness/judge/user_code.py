@@ -28,6 +28,15 @@ ROOT = Path(kvchaos.__file__).resolve().parent
 # Before one import name, kvchaos's folders were top-level packages: recorded runs name them so.
 OLD_TOP_LEVEL = ("engine", "faults", "harness", "scenarios")
 REFERENCE = "kvchaos.engine.block_manager:BlockManager"  # the reference block manager
+REFERENCE_PREFIX = "kvchaos.engine.prefix_manager:PrefixCachingManager"  # ... caching prefixes
+REFERENCES = (REFERENCE, REFERENCE_PREFIX)
+
+
+def reference_spec(cache_config) -> str:
+    """The reference manager a run without --block-manager gets, by [engine.cache]."""
+    return REFERENCE_PREFIX if cache_config.prefix_caching else REFERENCE
+
+
 MIN_COPY_BYTES = 200  # an empty __init__.py of the same name is no copy
 ALIASES = {"vllm": "kvchaos.harness.adapters.vllm:VLLMManager"}  # shipped adapters' short names
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvchaos.harness.judge.user_code import REFERENCE
+from kvchaos.harness.judge.user_code import REFERENCES
 from kvchaos.harness.judge.verdict import ERROR, FAIL, MEANING, current
 from kvchaos.harness.report.evidence import (
     detection,
@@ -90,7 +90,7 @@ def _root_cause(
     v: RunView, kind: str, fault: str | None, checkers: list[str], results: dict
 ) -> tuple[dict, str]:
     bm = v.block_manager
-    own = bm != REFERENCE
+    own = bm not in REFERENCES
     if kind == "error":
         err = run_error(v, results)
         unknown = [c for c in results.get("checkers", []) if c["valid"] is None]
@@ -235,7 +235,7 @@ def _summary(kind, fault, det, impact, fv, bm) -> str:
         )
         lead = f"{', '.join(det['caught_by'])} fired {why} (first at step {det['first_step']})"
         lead += _later(det)
-        if bm != REFERENCE:
+        if bm not in REFERENCES:
             lead += f", against your block manager {bm}"
         lead += "."
     return f"{lead} Impact: " + "; ".join(bits) + "."
@@ -273,7 +273,7 @@ def _title(kind, fault, det, results, impact, bm) -> str:
         return f"run error: {err.get('error')}: {str(err.get('message', ''))[:80]} ({where})"
     # a FAIL is a bug found in the system under test, whichever kind of incident shows it
     label = "bug found" if kind == "bug" or results["verdict"] == FAIL else "unexplained finding"
-    who = f" in {bm}" if bm != REFERENCE else ""
+    who = f" in {bm}" if bm not in REFERENCES else ""
     return (
         f"{label}: {', '.join(det['caught_by'])} fired at step {det['first_step']}, "
         f"{_what(impact, det)}{who} ({where})"
@@ -300,7 +300,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
         n = len(out) + 1
         replay = results.get("replay", "")
         bm = v.block_manager
-        if bm != REFERENCE and "--block-manager" not in replay:
+        if bm not in REFERENCES and "--block-manager" not in replay:
             replay += f" --block-manager {bm}"
         first = det["findings"][0] if det["findings"] else {}
         err = run_error(v, results) if kind == "error" else None

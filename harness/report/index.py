@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec
+from kvchaos.harness.judge.user_code import REFERENCES, canonical_spec
 from kvchaos.harness.judge.verdict import current
 from kvchaos.harness.report.render import template_env, write_atomic
 
@@ -46,7 +46,7 @@ def _entry(d: Path) -> dict:
         "tp_mode": r.get("tp_mode"),
         "world_size": r.get("world_size"),
         "block_manager": bm,
-        "own_block_manager": bool(bm) and bm != REFERENCE,
+        "own_block_manager": bool(bm) and bm not in REFERENCES,
         "faults": _faults(d, r),
     }
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvchaos.harness.judge import inputs
 from kvchaos.harness.judge.history import UNSTABLE_KEYS, _stable_line, check_history, iter_history
-from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec, validate_manager
+from kvchaos.harness.judge.user_code import REFERENCES, canonical_spec, validate_manager
 
 EXIT_DIFFERENT = 1
 # Events that are the block manager's own answers: its snapshots and its refusals.
@@ -77,7 +77,7 @@ def recorded_setup(run_dir: str | Path, results: dict) -> dict:
     spec = canonical_spec(results.get("block_manager") or start.get("block_manager"))
     cfg = start.get("config", {})
     return {
-        "block_manager_spec": None if spec in (None, REFERENCE) else spec,
+        "block_manager_spec": None if spec in (None, *REFERENCES) else spec,
         "tp_mode": results.get("tp_mode") or cfg.get("tp_mode"),
         "world_size": results.get("world_size") or cfg.get("tp_size"),
     }
