@@ -47,9 +47,9 @@ def test_each_content_problem_is_named():
         "parent": entry(1, "k1", "kb", [7, 8]),  # a's block 1 does not continue b's block
         "chain": None,
     }
-    # chain: one slot of a's block 1 replaced by c's slot for the same token at position 1
+    # chain: slot 0 of a's block 1 overwritten by c's KV of the same token (7, at position 1)
     rec2 = written({"a": (A, [0, 1]), "c": ([3, 7, 8], [4, 5])})
-    rec2.ident[1 * BS], rec2.token[1 * BS] = rec2.ident[4 * BS + 1], 7
+    rec2.write("c", 1, 7, rec2.ident[4 * BS + 1], 1 * BS, 2)
     for problem, e in cases.items():
         r = rec2 if problem == "chain" else rec
         e = e or entry(1, "k1", None, [7, 8])

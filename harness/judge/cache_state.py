@@ -77,17 +77,24 @@ class CacheWatch:
             return "partial"
         if e.get("tokens") is not None and list(e["tokens"]) != token:
             return "tokens"
-        if any(ident[o] != _extend(ident[o - 1], token[o]) for o in range(1, bs)):
+        # One writer at consecutive positions: its own identity chain (the record stores each
+        # slot's writer identity), so no hashing; any other mix is checked link by link.
+        writer, pos = rec.writer[s : s + bs], rec.pos[s : s + bs]
+        one = writer.count(writer[0]) == bs and pos == list(range(pos[0], pos[0] + bs))
+        if not one and any(ident[o] != _extend(ident[o - 1], token[o]) for o in range(1, bs)):
             return "chain"
         parent = e.get("parent")
         if parent is None:
-            ok = rec.pos[s] == 0 and ident[0] == _extend(b"", token[0])
+            ok = pos[0] == 0 and (one or ident[0] == _extend(b"", token[0]))
         else:
             p = by_key.get(parent)
             if p is None:  # the parent was evicted: its end cannot be read back, not judged
                 return None
             last = p["block"] * bs + bs - 1
-            ok = rec.ident[last] is not None and ident[0] == _extend(rec.ident[last], token[0])
+            same = one and rec.writer[last] == writer[0] and rec.pos[last] == pos[0] - 1
+            ok = rec.ident[last] is not None and (
+                same or ident[0] == _extend(rec.ident[last], token[0])
+            )
         return None if ok else "parent"
 
     def _hit(self, step, req, tokens, blocks, by_block) -> list[dict]:
