@@ -133,13 +133,25 @@ class PrefixCachingManager:
         return copies
 
     def append_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int]):
-        """append(s, [t]) for every s, all or nothing."""
-        if sum(self.blocks_needed(s, 1) for s in seq_ids) > self.pool.num_free:
+        """append(s, [t]) for every s, all or nothing: the decode hot path, inlined; a shared
+        partial last block (copy-on-write) takes append's path."""
+        pool, bs, blocks, toks = self.pool, self.block_size, self.blocks, self.tokens
+        ref, need, shared = pool.ref, 0, False
+        for s in seq_ids:
+            if len(toks[s]) % bs == 0:
+                need += 1
+            elif ref[blocks[s][-1]] > 1:
+                need, shared = need + 1, True
+        if need > pool.num_free:
             raise OutOfBlocks(f"decode of {len(seq_ids)} sequences needs more blocks than free")
-        copies: list[tuple[int, int]] = []
+        if shared or not pool.seams.key_after_compute:
+            return [c for s, t in zip(seq_ids, token_ids) for c in self.append(s, [t])]
         for s, t in zip(seq_ids, token_ids):
-            copies += self.append(s, [t])
-        return copies
+            tl = toks[s]
+            if len(tl) % bs == 0:
+                blocks[s].append(pool.allocate())
+            tl.append(t)
+        return []
 
     def fork(self, parent_id: str, child_id: str) -> None:
         if child_id in self.blocks:

@@ -74,6 +74,23 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live[s].append(tok)
 
     @precondition(lambda self: self.live)
+    @rule(data=st.data(), tok=st.integers(0, 3))
+    def decode(self, data, tok):
+        """append_decode of a few sequences: all or nothing, as append(s, [t]) each."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        before = self.m.snapshot().to_dict()
+        try:
+            copies = self.m.append_decode(ids, [tok] * len(ids))
+        except OutOfBlocks:
+            assert self.m.snapshot().to_dict() == before
+            return
+        held = {b for s in ids for b in before["seq_blocks"][s]}
+        assert all(src in held and dst in before["free"] for src, dst in copies)
+        for s in ids:
+            self.live[s].append(tok)
+            assert self.m.tokens[s] == self.live[s]
+
+    @precondition(lambda self: self.live)
     @rule(data=st.data())
     def fork(self, data):
         p = data.draw(st.sampled_from(sorted(self.live)))
