@@ -109,4 +109,14 @@ class OrderingRace(Fault):
             held = ev.get("block") in set(truth["touched"]["blocks"])
             if ev.get("rank") in lagged and (held or ev.get("rank") in now["ranks"]):
                 return "consequence" if finding.get("kind") == "poisoned_read" else "cause"
+            # a later read on that rank of KV its request computed through the stale table
+            # (so written elsewhere there): a knock-on of the stale step
+            misled = {
+                q
+                for x in stale
+                if x["step"] <= finding["step"] and ev.get("rank") in x["ranks"]
+                for q in x["requests"]
+            }
+            if ev.get("rank") in lagged and {ev.get("req"), ev.get("writer")} & misled:
+                return "consequence"
         return None

@@ -112,6 +112,9 @@ def test_ordering_race_explains_the_reads_of_a_rank_it_delayed():
     assert explains(_finding(step=7, rank=0, block=3), truth) is None  # rank 0 never lagged
     assert explains(_finding(step=7, rank=1, block=9), truth) is None
     assert explains(_finding(step=4, rank=1, block=3), truth) is None
+    # later, on that rank, a read of KV its request computed through the stale table: knock-on
+    assert explains(_finding(step=7, rank=1, block=9, req="r0"), truth) == "consequence"
+    assert explains(_finding(step=7, rank=0, block=9, req="r0"), truth) is None
 
 
 def _prefix_shared(caching: bool):
