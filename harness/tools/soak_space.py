@@ -36,6 +36,7 @@ SPACE = {
     },
     # a stall needs a steady decode-only stretch to measure a trend against its own baseline
     "stall_workload": {"num_requests": (1, 4), "output_len": (70, 100), "prompt_max": (4, 12)},
+    "prefix_probability": 0.5,  # a workload's prompts share prefixes (system prompts, templates)
     "fault_probability": 0.4,  # each failure mode's trigger is in the mix with this probability
     "defect_probability": 0.5,  # and, when it is, its defect is planted with this one
     "faults": {
@@ -150,6 +151,8 @@ def generate_scenario(seed: int) -> dict:
         }
     if "prefix_cache" in names:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
+    elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
+        _share_prefixes(cache, workload, random.Random(f"{seed}/soak/prefix"))
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
@@ -185,6 +188,23 @@ def _excluded(name: str, faults: list[dict]) -> bool:
     """A stall is judged on a steady decode-only stretch, which the prefix_cache trigger's
     prefills would break: the two are never drawn together."""
     return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
+
+
+def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
+    """With SPACE's prefix_probability, prompts start with shared prefixes (drawn from their own
+    stream: the rest of the seed's scenario is as without them), within a table row."""
+    if rng.random() >= SPACE["prefix_probability"]:
+        return
+    cap = cache["max_blocks_per_seq"] * cache["block_size"]
+    shared = max(1, min(32, cap // 4))
+    out = workload["output_len"]
+    out["max"] = max(out["min"], min(out["max"], cap - workload["prompt_len"]["max"] - shared))
+    workload["prefix"] = {
+        "groups": rng.randint(1, 4),
+        "prefix_len": {"dist": "uniform", "min": 1, "max": shared},
+        "share": round(rng.uniform(0.3, 0.9), 3),
+        "repeat": round(rng.uniform(0.0, 0.2), 3),
+    }
 
 
 def _fit_prefix_cache(engine: dict, workload: dict, fault: dict) -> None:
