@@ -40,13 +40,12 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
         k = qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d)
         v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)
         q, k = _rotate(q, pos, cfg.rope_theta), _rotate(k, pos, cfg.rope_theta)
-        heads = []
-        for i in range(h):
-            kv = i // group  # query heads share a KV head in consecutive groups
-            score = (q[:, i, :] @ k[:, kv, :].T) / math.sqrt(d)
-            score = score.masked_fill(~causal, float("-inf"))
-            heads.append(torch.softmax(score, dim=-1) @ v[:, kv, :])
-        x = x + torch.cat(heads, dim=-1) @ f64(layer["o"]).T
+        kv = torch.arange(h) // group  # query heads share a KV head in consecutive groups
+        qh, kh, vh = q.transpose(0, 1), k[:, kv].transpose(0, 1), v[:, kv].transpose(0, 1)
+        score = (qh @ kh.transpose(1, 2)) / math.sqrt(d)  # [heads, T, T]
+        score = score.masked_fill(~causal, float("-inf"))
+        heads = torch.softmax(score, dim=-1) @ vh  # [heads, T, d]
+        x = x + heads.transpose(0, 1).reshape(t, h * d) @ f64(layer["o"]).T
         inter = cfg.intermediate_size
         gu = _norm(x, f64(layer["mlp_norm"]), cfg.rms_eps) @ f64(layer["gate_up"]).T
         gate, up = gu[:, :inter], gu[:, inter:]
