@@ -160,6 +160,11 @@ UNSTABLE_KEYS = frozenset(
 )
 
 
+# Events whose nested dicts are keyed by request ids and the harness's own field names, never by
+# an unstable key: the biggest events of a run (a snapshot per step) skip the nested scan.
+FLAT_STABLE = frozenset({"snapshot"})
+
+
 def _stable(d: dict) -> dict:
     return {
         k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in UNSTABLE_KEYS
@@ -181,7 +186,9 @@ def _lines(event: dict) -> tuple[str, str]:
     """An event's line and its stable line, encoding the bulk once: most events hold nothing
     unstable, and a step's unstable fields are top-level numbers, written after the rest."""
     if UNSTABLE_KEYS.isdisjoint(event):
-        if not any(isinstance(v, dict) and _has_unstable(v) for v in event.values()):
+        if event.get("e") in FLAT_STABLE or not any(
+            isinstance(v, dict) and _has_unstable(v) for v in event.values()
+        ):
             line = _encode(event)
             return line, line
     elif not any(isinstance(v, dict) for k, v in event.items() if k in UNSTABLE_KEYS):
