@@ -166,3 +166,34 @@ def _detect_and_clean(detect, clean, tp: dict) -> None:
         r = run_scenario(clean, seed, report_dir=None, **tp)
         lat = next(c for c in r.results["checkers"] if c["checker"] == "latency")
         assert r.verdict == "PASS" and lat["status"] == "held", (seed, r.summary)
+
+
+class SlowerSnapshots:
+    """The plain reference whose snapshot() takes longer each call (a cache that keeps growing):
+    the harness calls it inside the step, at each upload and before growth on a low pool."""
+
+    def __new__(cls, *args):
+        from kvchaos.engine.block_manager import BlockManager
+
+        class Slow(BlockManager):
+            calls = 0
+
+            def snapshot(self):
+                Slow.calls += 1
+                time.sleep(min(0.004, 2e-5 * Slow.calls))
+                return super().snapshot()
+
+        return Slow(*args)
+
+
+def test_the_harness_own_snapshots_are_not_counted_as_the_engine_slowing_down():
+    """harness_s holds the snapshot time the harness spent inside each step; latency_s, host_s
+    and upload_s leave it out, so a snapshot that grows slower is no latency climb."""
+    r = run_scenario(load_scenario("staging-stall-clean"), 0, report_dir=None,
+                     block_manager=SlowerSnapshots)  # fmt: skip
+    steps = [e for e in r.events if e["e"] == "step" and e.get("decode_tokens")]
+    assert max(e["harness_s"] for e in steps) >= 0.003  # it was slow, and measured
+    late = steps[-10:]
+    assert all(e["host_s"] < e["harness_s"] for e in late)  # the engine's own share is small
+    lat = next(c for c in r.results["checkers"] if c["checker"] == "latency")
+    assert r.verdict == "PASS" and lat["status"] == "held", r.summary
