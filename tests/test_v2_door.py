@@ -73,3 +73,23 @@ def test_conformance_drives_a_v2_manager_in_v2_calls():
     bad = {r.name: r for r in run_conformance(managers.HandsOutNullBlock, examples=40)}
     assert [n for n, r in bad.items() if r.status == "failed"] == ["reserved_never_handed_out"]
     assert "reserved block 0" in bad["reserved_never_handed_out"].message
+
+
+def test_a_request_is_judged_against_the_usable_pool_and_snapshots_carry_reserved_ids():
+    """A manager reserving block 0 has num_blocks - 1 to hand out: a request needing all of them
+    can never fit and is refused at once, naming the reserved id; the snapshot says which."""
+    from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig
+    from kvchaos.engine.errors import RequestRejected
+
+    model = ModelConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                        intermediate_size=32, vocab_size=31, max_position=64)  # fmt: skip
+    cache = CacheConfig(block_size=4, num_blocks=8, max_blocks_per_seq=8, max_num_seqs=2)
+    eng = Engine(EngineConfig(model=model, cache=cache, attention_backend="torch"),
+                 managers.PlainV2(8, 4))  # fmt: skip
+    with pytest.raises(
+        RequestRejected, match=r"needs 8 blocks, the pool has 7 usable \(1 reserved"
+    ):
+        eng.add_request("all", list(range(30)), 2)
+    eng.add_request("fits", list(range(26)), 2)  # 7 blocks
+    eng.step()
+    assert eng.snapshot().reserved == [0]
