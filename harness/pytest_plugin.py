@@ -70,8 +70,8 @@ def pytest_addoption(parser) -> None:
         "--kvchaos-block-manager",
         default=None,
         metavar="MODULE:ATTR",
-        help="run every scenario under this BlockManager "
-        "(kvchaos.engine.protocols.BlockManagerProtocol)",
+        help="run every scenario under this block manager (protocol v2, "
+        "kvchaos.engine.protocols.KVManager, or v1 BlockManagerProtocol; 'vllm': vLLM's own)",
     )
     g.addoption(
         "--kvchaos-timeout",
