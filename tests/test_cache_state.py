@@ -97,3 +97,20 @@ def test_a_cache_that_keeps_entries_of_evicted_blocks_is_caught_by_their_content
     r = run_scenario(load_scenario("prefix-shared-clean"), 0, "cpu", None, EvictKeepsEntry)
     kinds = {(f.checker, f.kind) for f in r.findings}
     assert r.verdict == "FAIL" and ("prefix_cache", "cache_content") in kinds, r.summary
+
+
+def test_a_cache_state_out_of_shape_is_a_finding_against_the_manager_not_a_harness_error():
+    from kvchaos.engine.prefix_manager import PrefixCachingManager
+    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.judge.scenario import load_scenario
+
+    class CacheOutOfPool(PrefixCachingManager):
+        def snapshot(self):
+            snap = super().snapshot()
+            snap.cache = [*snap.cache, {"block": 10**6, "key": "k", "parent": None, "tokens": None}]
+            return snap
+
+    r = run_scenario(load_scenario("prefix-shared-clean"), 0, "cpu", None, CacheOutOfPool)
+    assert r.verdict == "FAIL", r.summary
+    bad = [f for f in r.findings if f.kind == "bad_snapshot"]
+    assert bad and "cache (optional)" in bad[0].message

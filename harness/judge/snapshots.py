@@ -51,6 +51,12 @@ def problem_seen(snap, num_blocks: int, free_count: int, block_size: int, comput
         isinstance(toks, dict) and all(_ints([v], 0, None) for v in toks.values())
     ):
         return "seq_tokens (optional) does not map sequences to token counts"
+    reserved = d.get("reserved")
+    if reserved is not None and not _ints(reserved, 0, n):
+        return "reserved (optional) is not a list of block ids in the pool"
+    wrong = _cache_problem(d.get("cache"), n)
+    if wrong:
+        return wrong
     if free_count != len(free):
         return f"num_free_blocks says {free_count}, the snapshot lists {len(free)} free blocks"
     for seq, done, total in computed:  # every token computed has a slot the snapshot lists
@@ -65,6 +71,27 @@ def problem_seen(snap, num_blocks: int, free_count: int, block_size: int, comput
                 f"sequence {seq} has slots for {n} tokens by its snapshot; the engine has "
                 f"computed {done} of its {total}"
             )
+    return None
+
+
+def _cache_problem(cache, n: int) -> str | None:
+    """The optional cache list: entries {block, key, parent, tokens}, one per (block, key)."""
+    if cache is None:
+        return None
+    if not isinstance(cache, list) or not all(
+        isinstance(e, dict)
+        and _ints([e.get("block")], 0, n)
+        and isinstance(e.get("key"), str)
+        and (e.get("parent") is None or isinstance(e["parent"], str))
+        and (e.get("tokens") is None or _ints(e["tokens"], 0, None))
+        for e in cache
+    ):
+        return (
+            "cache (optional) is not a list of {block (in the pool), key (text), parent (text "
+            "or null), tokens (ints or null)} entries"
+        )
+    if len({(e["block"], e["key"]) for e in cache}) != len(cache):
+        return "cache (optional) lists an entry twice"
     return None
 
 
