@@ -86,26 +86,34 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_admit(h, seq_id, token_ids, *_) -> None:
+def _check_admit(h, pool: int, seq_id, token_ids, *_) -> None:
     if not _int(h) or not 0 <= h <= len(token_ids):
         raise BadAnswer(f"answered {h!r}: computed tokens must be an int in [0, {len(token_ids)}]")
 
 
-def _check_copies(copies, *_) -> None:
+def _in_pool(ids, pool: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < pool)
+
+
+def _check_copies(copies, pool: int, *_) -> None:
     if not isinstance(copies, (list, tuple)) or not all(
         isinstance(c, (list, tuple)) and len(c) == 2 and _int(c[0]) and _int(c[1]) for c in copies
     ):
         raise BadAnswer(f"answered {copies!r}: copies must be a list of (src, dst) block ids")
+    if not _in_pool([b for c in copies for b in c], pool):
+        raise BadAnswer(f"answered {copies!r}: a block id outside the pool [0, {pool})")
 
 
-def _check_block_ids(ids, *_) -> None:
+def _check_block_ids(ids, pool: int, *_) -> None:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
         raise BadAnswer(f"answered {ids!r}: block ids must be a sequence of ints")
     if ids and set(map(type, ids)) != {int}:  # at C speed: asked for every sequence, every step
         raise BadAnswer(f"answered {list(ids)!r}: block ids must be ints")
+    if not _in_pool(ids, pool):
+        raise BadAnswer(f"answered {list(ids)!r}: a block id outside the pool [0, {pool})")
 
 
-def _check_release(freed, *_) -> None:
+def _check_release(freed, pool: int, *_) -> None:
     if not isinstance(freed, bool):
         raise BadAnswer(f"answered {freed!r}: release answers True or False")
 
@@ -118,6 +126,15 @@ ANSWERS = {
     "block_ids": _check_block_ids,
     "release": _check_release,
 }
+
+
+def check_answer(name: str, out, args: tuple, pool: int) -> None:
+    """Raise BadAnswer when a v2 call's answer is malformed or names a block outside the pool
+    (pool: the manager's num_blocks). The one check the boundary, the check at load and
+    conformance make."""
+    check = ANSWERS.get(name)
+    if check is not None:
+        check(out, pool, *args)
 
 
 def describe(call: str, args: tuple) -> str:
@@ -141,9 +158,11 @@ class Boundary:
         # seconds spent snapshotting for refusals (the harness's cost inside a step's timings)
         object.__setattr__(self, "snapshot_s", [0.0])
         object.__setattr__(self, "validate", calls is CALLS_V2)  # v2 answers are checked
+        # ... against the pool it sized (num_blocks is fixed: the KV pool is allocated by it)
         for name in calls:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
+        object.__setattr__(self, "sized_blocks", self._read("num_blocks") if self.validate else 0)
 
     def _guard(self, name: str, fn):
         calls = self.calls
@@ -159,7 +178,7 @@ class Boundary:
                 before = self._before_growth() if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
                 if check is not None:
-                    check(out, *args)
+                    check(out, self.sized_blocks, *args)
             except OutOfBlocks as refusal:
                 if grows:  # a refusal must change nothing
                     refusal.changed = self._changed_by_refusal(before)

@@ -93,3 +93,18 @@ def test_a_request_is_judged_against_the_usable_pool_and_snapshots_carry_reserve
     eng.add_request("fits", list(range(26)), 2)  # 7 blocks
     eng.step()
     assert eng.snapshot().reserved == [0]
+
+
+class IdsOutsideThePool(managers.PlainV2):
+    """Answers block_ids with one id past the pool it sized (the KV pool has no such block)."""
+
+    def block_ids(self, seq_id):
+        ids = list(super().block_ids(seq_id))
+        return ids[:-1] + [10**6] if len(ids) > 2 else ids
+
+
+def test_a_block_id_outside_the_pool_is_a_finding_against_the_manager_not_a_harness_error():
+    r = run_scenario(load_scenario("baseline-clean"), 0, "cpu", None, IdsOutsideThePool)
+    assert r.verdict == "FAIL", r.summary
+    (f,) = [f for f in r.findings if f.checker == "manager_calls"]
+    assert "block_ids(" in f.message and "outside the pool [0, " in f.message

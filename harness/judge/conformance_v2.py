@@ -27,7 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvchaos.engine.boundary import ANSWERS, BadAnswer, describe, state_change
+from kvchaos.engine.boundary import BadAnswer, check_answer, describe, state_change
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.protocols import REASONS, capabilities
 from kvchaos.engine.tables import BuiltTable, OwnedTable
@@ -95,13 +95,11 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         """A v2 call; its answer held to what the engine's boundary accepts."""
         shown = describe(name, args)
         out = self.call(shown, getattr(self.bm, name), *args, refusable=refusable)
-        check = ANSWERS.get(name)
-        if check is not None:
-            try:
-                check(out, *args)
-            except BadAnswer as e:
-                why = str(e)
-                self.judge("answers", False, lambda: f"{shown} {why}")
+        try:
+            check_answer(name, out, args, self.bm.num_blocks)
+        except BadAnswer as e:
+            why = str(e)
+            self.judge("answers", False, lambda: f"{shown} {why}")
         return out
 
     def entries(self, seq: str) -> list[int]:
