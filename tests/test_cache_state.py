@@ -114,3 +114,29 @@ def test_a_cache_state_out_of_shape_is_a_finding_against_the_manager_not_a_harne
     assert r.verdict == "FAIL", r.summary
     bad = [f for f in r.findings if f.kind == "bad_snapshot"]
     assert bad and "cache (optional)" in bad[0].message
+
+
+def test_a_cache_entry_is_rechecked_when_it_differs_from_the_one_that_passed():
+    from kvchaos.harness.judge.snapshots import _cache_problem, cache_delta
+
+    good = {"block": 3, "key": "k", "parent": None, "tokens": [1, 2]}
+    _, known = cache_delta({}, [good])
+    assert _cache_problem([dict(good)], 8, known) is None
+    changed = {**good, "tokens": [1, -2]}  # same (block, key), now out of shape
+    assert "cache (optional)" in _cache_problem([changed], 8, known)
+    assert "cache (optional)" in _cache_problem([None], 8, known)
+
+
+def test_the_cache_delta_keeps_its_own_copy_and_records_a_change_under_one_key():
+    from kvchaos.harness.judge.snapshots import apply_cache, cache_delta
+
+    entry = {"block": 3, "key": "k", "parent": None, "tokens": [1, 2]}
+    first, known = cache_delta({}, [entry])
+    entry["tokens"][1] = 9  # the manager rewrites its entry in place
+    second, known = cache_delta(known, [entry])
+    assert first["cache_added"][0]["tokens"] == [1, 2]
+    assert second["cache_added"] == [entry] and second["cache_removed"] == []
+    state = apply_cache(apply_cache({}, first), second)
+    assert state[(3, "k")]["tokens"] == [1, 9]
+    third, _ = cache_delta(known, [dict(entry, tokens=[1, 9])])
+    assert third["cache_added"] == [] and third["cache_n"] == 1

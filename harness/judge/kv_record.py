@@ -83,13 +83,36 @@ class KVRecord:
         """seq's KV for position pos (token) into slot; digest None: its content is unknown (the
         step raised). A negative slot (an unused table entry) wraps to the pool's end, as
         write_kv does."""
-        s = slot % len(self.writer)
-        self.writer[s], self.pos[s], self.token[s] = seq, pos, token
-        self.ident[s], self.step[s], self.taint[s] = digest, step, self.tainted.get(seq)
-        self.version[s // self.block_size] += 1
+        self.write_all([(seq, pos, token, slot)], step, {}, lambda s, p: {p: digest})
+
+    def write_all(self, writes, step: int, chains: dict, chain_of) -> None:
+        """write() for a step's writes [(seq, pos, token, slot)] in one loop (a prefill writes
+        many slots): each slot's identity is chains[seq][pos], else chain_of(seq, pos)[pos]."""
+        n, bs = len(self.writer), self.block_size
+        writer, pos_, token_, ident, step_, taint = (
+            self.writer,
+            self.pos,
+            self.token,
+            self.ident,
+            self.step,
+            self.taint,
+        )
+        tainted, version = self.tainted, self.version
         if self._now[0] != step:
             self._now = (step, {})
-        self._now[1].setdefault(seq, []).append(s)
+        now = self._now[1]
+        for seq, pos, token, slot in writes:
+            d = chains.get(seq)
+            if d is None or len(d) <= pos:
+                d = chain_of(seq, pos)
+            s = slot % n
+            writer[s], pos_[s], token_[s] = seq, pos, token
+            ident[s], step_[s], taint[s] = d[pos], step, tainted.get(seq)
+            version[s // bs] += 1
+            mine = now.get(seq)
+            if mine is None:
+                mine = now[seq] = []
+            mine.append(s)
 
     def read(
         self, seq: str, digests: Sequence[bytes], blocks: Sequence[int], n_ctx: int, step: int
@@ -200,13 +223,12 @@ class RankRecords:
         ids, chains, out = self.ids, self.ids.chains, []
         for r, rec in sorted(self.records.items()):
             reads, writes = pending.get(r, pending[0])
-            for seq, pos, token, slot in writes:
-                d = chains.get(seq)
-                if d is None or len(d) <= pos:
-                    d = ids.upto(seq, tokens_of(seq), pos + 1)
-                rec.write(seq, pos, token, d[pos], slot, step)
+            rec.write_all(writes, step, chains, lambda s, p: ids.upto(s, tokens_of(s), p + 1))
             for seq, n, blocks in reads:
-                for f in rec.read(seq, ids.upto(seq, tokens_of(seq), n), blocks, n, step):
+                d = chains.get(seq)
+                if d is None or len(d) < n:
+                    d = ids.upto(seq, tokens_of(seq), n)
+                for f in rec.read(seq, d, blocks, n, step):
                     f["rank"], f["via_hit"] = r, f["block"] in self.hits.get(seq, ())
                     out.append(f)
         return out

@@ -83,6 +83,7 @@ class LiveRun:
         self.known_diverged: set[str] = set()  # reported by a live check: not collected again
         self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
         self.cache_state: dict = {}  # the prefix cache as of the latest snapshot event
+        self.passed: dict = {}  # the fields of the latest snapshot that passed (problem_seen)
         self.observe_s = 0.0  # the harness's own time inside the step now running (snapshots)
         self.engine.record_writes = observe
         self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
@@ -92,15 +93,17 @@ class LiveRun:
         e = self.engine
         self.snapped = step
         snap = e.snapshot()
-        wrong = problem(snap, e, self.cfg.cache.num_blocks)
+        wrong = problem(snap, e, self.cfg.cache.num_blocks, self.passed)
         if wrong:  # the manager's word fails its own shape or the harness's record: a finding
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
         d = snap.to_dict()
+        self.passed = dict(d)
         if "cache" in d:
             delta, self.cache_state = cache_delta(self.cache_state, d.pop("cache"))
             d.update(delta)
+            self.passed["cache"] = self.cache_state
         self.h.append({"e": "snapshot", "step": step, **d, "live": [s.id for s in e.running]})
 
     def _check_writes(self, step: int) -> None:

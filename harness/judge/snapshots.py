@@ -8,28 +8,41 @@ from __future__ import annotations
 from itertools import chain
 
 
-def problem(snap, engine, num_blocks: int) -> str | None:
-    """What is wrong with a snapshot, in one line, or None."""
+def problem(snap, engine, num_blocks: int, passed: dict | None = None) -> str | None:
+    """What is wrong with a snapshot, in one line, or None. passed: see problem_seen."""
     computed = [(s.id, s.num_computed, len(s.tokens)) for s in engine.running]
-    return problem_seen(snap, num_blocks, engine.bm.num_free_blocks, engine.bm.block_size, computed)
+    free = engine.bm.num_free_blocks
+    return problem_seen(snap, num_blocks, free, engine.bm.block_size, computed, passed)
 
 
-def problem_seen(snap, num_blocks: int, free_count: int, block_size: int, computed) -> str | None:
+def problem_seen(
+    snap, num_blocks: int, free_count: int, block_size: int, computed, passed=None
+) -> str | None:
     """problem() against what a harness saw: the pool it configured, the manager's free count,
-    and for each live sequence (id, tokens computed, tokens it has)."""
+    and for each live sequence (id, tokens computed, tokens it has). passed: the fields of the
+    last snapshot that passed (its cache as cache_delta keeps it): a field equal to its value
+    there is not checked for shape again (most of a snapshot is as it was a step before), unless
+    it is the very same object, which its manager may have changed since. What the harness saw
+    is checked every time."""
     try:
         d = snap.to_dict()
     except Exception as e:  # not a Snapshot at all
         return f"snapshot() returned {type(snap).__name__}, not a Snapshot ({e})"
+    passed = passed or {}
+
+    def same(field: str) -> bool:
+        now, was = d.get(field), passed.get(field)
+        return now is not was and now == was
+
     n, free, refs = d.get("num_blocks"), d.get("free"), d.get("ref_counts")
     if n != num_blocks:
         return f"num_blocks is {n!r}, the pool was configured with {num_blocks}"
-    if not _ints(free, 0, n) or len(set(free)) != len(free):
+    if not same("free") and (not _ints(free, 0, n) or len(set(free)) != len(free)):
         return "free is not a list of distinct block ids in the pool"
-    if not _ints(refs, 0, None) or len(refs) != n:
+    if not same("ref_counts") and (not _ints(refs, 0, None) or len(refs) != n):
         return f"ref_counts is not {n} non-negative ints"
     blocks, rows = d.get("seq_blocks"), d.get("seq_rows")
-    if (
+    if not same("seq_blocks") and (
         not isinstance(blocks, dict)
         or set(map(type, blocks)) - {str}
         or set(map(type, blocks.values())) - {list}
@@ -37,24 +50,29 @@ def problem_seen(snap, num_blocks: int, free_count: int, block_size: int, comput
     ):
         return "seq_blocks does not map sequence ids to block ids in the pool"
     table, width = d.get("table"), d.get("table_width")
-    if not isinstance(width, int) or width < 1 or not _ints(table, -1, n):
-        return "table is not a list of block ids (or -1) with a positive table_width"
-    if len(table) % width:
-        return f"table has {len(table)} entries, not a multiple of its width {width}"
+    table_same = same("table") and width == passed.get("table_width")
+    if not table_same:
+        if not isinstance(width, int) or width < 1 or not _ints(table, -1, n):
+            return "table is not a list of block ids (or -1) with a positive table_width"
+        if len(table) % width:
+            return f"table has {len(table)} entries, not a multiple of its width {width}"
     nrows = len(table) // width
-    if not isinstance(rows, dict) or not all(
-        isinstance(r, int) and 0 <= r < nrows for r in rows.values()
+    if not (table_same and same("seq_rows")) and (
+        not isinstance(rows, dict)
+        or not all(isinstance(r, int) and 0 <= r < nrows for r in rows.values())
     ):
         return f"seq_rows does not map sequences to rows in [0, {nrows})"
     toks = d.get("seq_tokens")
-    if toks is not None and not (
-        isinstance(toks, dict) and all(_ints([v], 0, None) for v in toks.values())
+    if (
+        toks is not None
+        and not same("seq_tokens")
+        and not (isinstance(toks, dict) and all(_ints([v], 0, None) for v in toks.values()))
     ):
         return "seq_tokens (optional) does not map sequences to token counts"
     reserved = d.get("reserved")
-    if reserved is not None and not _ints(reserved, 0, n):
+    if reserved is not None and not same("reserved") and not _ints(reserved, 0, n):
         return "reserved (optional) is not a list of block ids in the pool"
-    wrong = _cache_problem(d.get("cache"), n)
+    wrong = _cache_problem(d.get("cache"), n, passed.get("cache") or {})
     if wrong:
         return wrong
     if free_count != len(free):
@@ -74,25 +92,41 @@ def problem_seen(snap, num_blocks: int, free_count: int, block_size: int, comput
     return None
 
 
-def _cache_problem(cache, n: int) -> str | None:
-    """The optional cache list: entries {block, key, parent, tokens}, one per (block, key)."""
-    if cache is None:
+_CACHE_SHAPE = (
+    "cache (optional) is not a list of {block (in the pool), key (text), parent (text or null), "
+    "tokens (ints or null)} entries"
+)
+
+
+def _cache_problem(cache, n: int, known: dict) -> str | None:
+    """The optional cache list: entries {block, key, parent, tokens}, one per (block, key). One
+    equal to the entry `known` holds for its (block, key) passed before: a cache of hundreds of
+    entries, most unchanged from step to step, costs a comparison each."""
+    if cache is None or _unchanged(known, cache):
         return None
-    if not isinstance(cache, list) or not all(
+    if not isinstance(cache, list):
+        return _CACHE_SHAPE
+    try:  # an entry equal to the known one for its (block, key) passed before
+        fresh = [e for e in cache if type(e) is not dict or known.get((e["block"], e["key"])) != e]
+    except (KeyError, TypeError):  # one without a block or key, or unhashable: check them all
+        fresh = cache
+    if not all(
         isinstance(e, dict)
         and _ints([e.get("block")], 0, n)
         and isinstance(e.get("key"), str)
         and (e.get("parent") is None or isinstance(e["parent"], str))
         and (e.get("tokens") is None or _ints(e["tokens"], 0, None))
-        for e in cache
+        for e in fresh
     ):
-        return (
-            "cache (optional) is not a list of {block (in the pool), key (text), parent (text "
-            "or null), tokens (ints or null)} entries"
-        )
+        return _CACHE_SHAPE
     if len({(e["block"], e["key"]) for e in cache}) != len(cache):
         return "cache (optional) lists an entry twice"
     return None
+
+
+def _unchanged(known: dict, cache) -> bool:
+    """The cache is, entry for entry and in order, the one known (a step that keyed nothing)."""
+    return isinstance(cache, list) and len(cache) == len(known) and list(known.values()) == cache
 
 
 def _ints(xs, lo: int, hi: int | None) -> bool:
@@ -108,8 +142,17 @@ def cache_delta(prev: dict, cache: list[dict]) -> tuple[dict, dict]:
     """A snapshot's cache as a history event holds it: what changed since the previous snapshot
     event (a cache of hundreds of entries, whole in every step's event, would swamp the history).
     Returns (the event's fields, the state to diff the next one against)."""
-    now = {(e["block"], e["key"]): e for e in cache}
-    added = [e for k, e in now.items() if k not in prev]
+    if _unchanged(prev, cache):
+        return {"cache_added": [], "cache_removed": [], "cache_n": len(prev)}, prev
+    now, added = {}, []
+    for e in cache:
+        k = (e["block"], e["key"])
+        kept = prev.get(k)
+        if kept is None or kept != e:  # new, or changed under its key: the harness's own copy
+            tokens = e.get("tokens")
+            kept = {**e, "tokens": None if tokens is None else list(tokens)}
+            added.append(kept)
+        now[k] = kept
     removed = [list(k) for k in prev if k not in now]
     return {"cache_added": added, "cache_removed": removed, "cache_n": len(now)}, now
 
