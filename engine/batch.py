@@ -4,6 +4,8 @@ per layer over the paged KV pool. A mixin of the Engine (DistEngine overrides bo
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 
 from kvchaos.engine.attention import (
@@ -126,7 +128,8 @@ class BatchBuilder:
         ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
         self.written = {}
         for rank, slots in enumerate(slots_by_rank):
-            for seq_id, block in zip(ids, (slots // bs).tolist()):
+            # a chunk's tokens run in one block at a time: one entry per run
+            for (seq_id, block), _ in groupby(zip(ids, (slots // bs).tolist())):
                 # an unused entry (-1) lands in the last block
                 self.written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
 

@@ -102,7 +102,11 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             cache = apply_cache(cache, e)
             ref, free, total = e["ref_counts"], e["free"], e["num_blocks"]
             reserved = set(e.get("reserved") or ())  # never handed out (vLLM's null block)
-            held = sum(1 for b, r in enumerate(ref) if r > 0 and b not in reserved)
+            held = (
+                sum(1 for b, r in enumerate(ref) if r > 0 and b not in reserved)
+                if reserved
+                else total - ref.count(0)
+            )
             usable = total - len(reserved)
             in_free = len(set(free) - reserved)
             if in_free + held != usable or len(set(free)) != len(free):
@@ -123,7 +127,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             for blocks in e["seq_blocks"].values():
                 for b in blocks:
                     refs[b] += 1
-            wrong = [b for b in range(total) if refs[b] != ref[b]]
+            wrong = [b for b in range(total) if refs[b] != ref[b]] if refs != ref else []
             if wrong:
                 orphans = [b for b in wrong if refs[b] == 0]
                 found.append(

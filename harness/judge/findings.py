@@ -3,7 +3,7 @@ fired (findings), or unknown (the checker raised); and "not judged" when it had 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -38,8 +38,9 @@ class CheckResult:
             return "unknown" if self.error else "not judged"
         return "held" if self.valid else "fired"
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "status": self.status}
+    def to_dict(self) -> dict:  # evidence is plain data, shared (asdict's deep copy costs more)
+        findings = [dict(f.__dict__) for f in self.findings]
+        return {**self.__dict__, "findings": findings, "status": self.status}
 
 
 def _result(name: str, findings: list[Finding], checked: int) -> CheckResult:
