@@ -1,5 +1,6 @@
-"""Reference BlockManager: an O(1) free pool with explicit reference counts, per-sequence block
-lists, fork with copy-on-write, and the flat block table.
+"""Reference BlockManager (protocol v2, without a prefix cache): an O(1) free pool with explicit
+reference counts, per-sequence block lists, fork with copy-on-write, and the flat block table it
+writes itself ("own_table"). It keeps token counts, not token ids: admit answers 0.
 
 Invariants (checked by tests/test_block_manager_stateful.py after every operation):
   I1  len(free) + #{b : ref[b] > 0} == num_blocks
@@ -12,12 +13,13 @@ and, kept by BlockPool.incref/decref alone:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Iterator
 
 from kvchaos.engine.block_table import BlockTable
 from kvchaos.engine.errors import OutOfBlocks, TableOverflow
-from kvchaos.engine.protocols import Snapshot
+from kvchaos.engine.protocols import Reason, Snapshot
 
 
 class BlockPool:
@@ -61,7 +63,8 @@ class BlockManager:
     """Maps each sequence's token positions to physical slots. Sequences are keyed by id; each
     sequence holding blocks owns one table row."""
 
-    capabilities = frozenset({"fork", "seq_tokens"})
+    kvchaos_protocol = 2
+    capabilities = frozenset({"fork", "seq_tokens", "estimates", "append_decode", "own_table"})
 
     def __init__(
         self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int
@@ -84,7 +87,8 @@ class BlockManager:
         return len(self.pool.free)
 
     def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int:
-        """Blocks an append of num_new_tokens would take, copy-on-write included."""
+        """Blocks an append of num_new_tokens would take, copy-on-write included (an id it does
+        not hold: its admission's)."""
         bs = self.block_size
         have = self.num_tokens.get(seq_id, 0)
         need = -(-(have + num_new_tokens) // bs) - -(-have // bs)
@@ -97,9 +101,29 @@ class BlockManager:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
+    def block_ids(self, seq_id: str) -> list[int]:
+        return self.blocks[seq_id]
+
     # -- mutations -----------------------------------------------------------------------
-    def append(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Reserve slots for num_new_tokens more tokens of seq_id (a new id starts a sequence).
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], num_new_tokens: int, max_computed: int
+    ) -> int:
+        """Start seq_id with slots for its first min(num_new_tokens, len(token_ids)) tokens. No
+        prefix cache: nothing is computed already, so the answer is 0. Atomic, as _grow."""
+        if seq_id in self.rows:
+            raise ValueError(f"admit of sequence {seq_id}, which holds blocks")
+        self._grow(seq_id, min(num_new_tokens, len(token_ids)))
+        return 0
+
+    def append(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Slots for these tokens of a live sequence, next in order (only their count matters
+        here). Returns the copy-on-write copies, as _grow. Atomic."""
+        if seq_id not in self.rows:
+            raise KeyError(f"append to {seq_id!r}, which holds no blocks: admit starts one")
+        return self._grow(seq_id, len(token_ids))
+
+    def _grow(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Reserve slots for num_new_tokens more tokens of seq_id (a new id takes a row).
         Returns the (src, dst) block copies the caller must apply to the KV pool (copy-on-write).
         Atomic: raises OutOfBlocks (pool or rows exhausted) or TableOverflow (row width, bound check
         on) without changing anything."""
@@ -141,9 +165,11 @@ class BlockManager:
         self.num_tokens[seq_id] = total
         return copies
 
-    def append_decode(self, seq_ids: list[str]) -> list[tuple[int, int]]:
-        """append(s, 1) for every s: the decode hot path, inlined. Same semantics, same atomicity:
-        a failure (no free block, a row too narrow) leaves the manager as it was."""
+    def append_decode(
+        self, seq_ids: Sequence[str], token_ids: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """append(s, [t]) for every s: the decode hot path, inlined. Same semantics, same
+        atomicity: a failure (no free block, a row too narrow) leaves the manager as it was."""
         pool = self.pool
         free, ref = pool.free, pool.ref
         table = self.table
@@ -163,7 +189,7 @@ class BlockManager:
                 raise OutOfBlocks(
                     f"decode of {len(seq_ids)} sequences needs more blocks than are free"
                 )
-            return [c for s in seq_ids for c in self.append(s, 1)]
+            return [c for s, t in zip(seq_ids, token_ids) for c in self.append(s, (t,))]
         copies: list[tuple[int, int]] = []
         for k, s in enumerate(seq_ids):
             n = nt[s]
@@ -171,7 +197,7 @@ class BlockManager:
                 if (
                     cow and ref[blocks[s][-1]] != 1
                 ):  # shared partial block: copy-on-write, the slow path
-                    copies += self.append(s, 1)
+                    copies += self.append(s, (token_ids[k],))
                     continue
             else:
                 bl = blocks[s]
@@ -214,8 +240,9 @@ class BlockManager:
         self.rows[child_id], self.blocks[child_id] = row, blocks
         self.num_tokens[child_id] = self.num_tokens[parent_id]
 
-    def free(self, seq_id: str) -> bool:
-        """Release every block and the row of seq_id. Idempotent: an unknown id returns False."""
+    def release(self, seq_id: str, reason: Reason) -> bool:
+        """Release every block and the row of seq_id, whatever the reason (no cache: an "error"
+        leaves no key behind). Idempotent: an unknown id returns False."""
         blocks = self.blocks.pop(seq_id, None)
         if blocks is None:
             return False
@@ -229,11 +256,11 @@ class BlockManager:
 
     @contextmanager
     def hold(self, seq_id: str) -> Iterator[str]:
-        """Own seq_id's blocks for the duration of a with-block: freed on every exit path."""
+        """Own seq_id's blocks for the duration of a with-block: released on every exit path."""
         try:
             yield seq_id
         finally:
-            self.free(seq_id)
+            self.release(seq_id, "finished")
 
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows = self.table.rows

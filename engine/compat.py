@@ -4,7 +4,8 @@ The engine speaks only protocol v2. `as_v2` leaves a v2 manager as it is and wra
 has `append(seq, n)` and `free(seq)`) in `V1Shim`: each v2 call becomes the v1 call it stands for,
 without prefix caching (admit answers 0 computed tokens), so a v1 manager runs exactly as before.
 The shim wraps the manager's Boundary: calls, refusals and exceptions are judged in the manager's
-own v1 terms, as they always were.
+own v1 terms, as they always were. v1 is deprecated: a user's v1 manager class is warned about
+once (DeprecationWarning), pointing to the migration table in docs/adapters.md.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from collections.abc import Sequence
 from kvchaos.engine.protocols import Reason, capabilities, protocol_version
 
 _warned: set[type] = set()
-# Warn v1 managers only once a v2 one can be used everywhere they can (--block-manager's check
-# before any run still takes v1 alone, #21): until then there is nothing to migrate to.
-DEPRECATE_V1 = False
+DEPRECATE_V1 = True  # every door takes v2 and kvchaos's own managers speak it (#21)
+MIGRATION = "docs/adapters.md, 'Moving a manager from the first protocol to v2'"
 
 
 def is_v1(manager) -> bool:
@@ -28,13 +28,13 @@ def is_v1(manager) -> bool:
 
 def _warn_once(manager) -> None:
     kind = type(manager)
-    # kvchaos's own managers are still v1
+    # a user's class, once: kvchaos's own modules are not the user's to migrate
     if not DEPRECATE_V1 or kind in _warned or kind.__module__.startswith("kvchaos."):
         return
     _warned.add(kind)
     warnings.warn(
         f"{kind.__name__} implements the v1 BlockManagerProtocol; it runs through a shim without "
-        "prefix caching; v1 support ends in 0.3, see docs/protocol-v2.md",
+        f"prefix caching; v1 support ends in 0.3: move it to protocol v2, see {MIGRATION}",
         DeprecationWarning,
         stacklevel=3,
     )

@@ -1,8 +1,9 @@
 """The BlockManager protocol: what the engine needs from a block manager, so a user's own can run
-under kvchaos (`--block-manager module:attr`). The reference implementation is
-kvchaos.engine.block_manager.BlockManager.
+under kvchaos (`--block-manager module:attr`). First protocol v1 (deprecated: it runs through
+kvchaos.engine.compat.V1Shim), then v2, which both references speak:
+kvchaos.engine.block_manager.BlockManager and kvchaos.engine.prefix_manager.PrefixCachingManager.
 
-Contract, in words:
+Contract of v1, in words:
 - Sequences are keyed by string ids. `append(seq, n)` reserves slots for n more tokens (a new id
   starts a sequence) and returns the (src, dst) block copies the engine must apply for
   copy-on-write; it is atomic: it raises kvchaos.engine.errors.OutOfBlocks and changes nothing when

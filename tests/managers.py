@@ -1,6 +1,7 @@
 """Block managers written as a user would: behaviours real managers have (preallocation, refusals
-under pressure, a watermark) and bugs they ship (rows left behind, crashes,
-a refusal that leaves a trace). Plugged in by spec, e.g. "managers:Preallocating"."""
+under pressure, a watermark) and bugs they ship (rows left behind, crashes, a refusal that leaves
+a trace). Plugged in by spec, e.g. "managers:Preallocating". Delegate and its subclasses speak
+protocol v1 (through the shim); the reference BlockManager's subclasses and PlainV2, v2."""
 
 from __future__ import annotations
 
@@ -20,8 +21,16 @@ from kvchaos.engine.protocols import Snapshot
 HIDDEN = "__reserve__"  # a manager's own holder of preallocated blocks
 
 
+def grow(bm: BlockManager, seq_id: str, n: int) -> list[tuple[int, int]]:
+    """v1's append(seq_id, n) on the v2 reference (which counts tokens: any n ids do)."""
+    if seq_id in bm.rows:
+        return bm.append(seq_id, range(n))
+    bm.admit(seq_id, range(n), n, 0)
+    return []
+
+
 class Delegate:
-    """The protocol, forwarded to the reference manager."""
+    """Protocol v1, forwarded to the reference manager (which speaks v2)."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq) -> None:
         self.inner = BlockManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
@@ -38,13 +47,13 @@ class Delegate:
 
     def append(self, seq_id, n):
         self.calls += 1
-        return self.inner.append(seq_id, n)
+        return grow(self.inner, seq_id, n)
 
     def fork(self, parent_id, child_id):
         self.inner.fork(parent_id, child_id)
 
     def free(self, seq_id):
-        return self.inner.free(seq_id)
+        return self.inner.release(seq_id, "finished")
 
     def resize_table(self, rows=None, width=None):
         self.inner.resize_table(rows, width)
@@ -62,17 +71,17 @@ class Preallocating(Delegate):
     def append(self, seq_id, n):
         self.calls += 1
         try:
-            copies = self.inner.append(seq_id, n)
+            copies = grow(self.inner, seq_id, n)
         except OutOfBlocks:
             spare = len(self.inner.blocks.get(HIDDEN, []))
             if self.inner.blocks_needed(seq_id, n) > self.inner.num_free_blocks + spare:
                 raise  # even the reserve would not do: refuse, changing nothing
-            self.inner.free(HIDDEN)  # the reserve goes first, then the request may have it
-            return self.inner.append(seq_id, n)
+            self.inner.release(HIDDEN, "aborted")  # the reserve goes first, then the request
+            return grow(self.inner, seq_id, n)
         have = len(self.inner.blocks.get(HIDDEN, []))
         if have < self.SPARE and self.inner.num_free_blocks > 8 and self.inner.num_free_rows > 1:
             try:
-                self.inner.append(HIDDEN, self.block_size * (self.SPARE - have))
+                grow(self.inner, HIDDEN, self.block_size * (self.SPARE - have))
             except OutOfBlocks:
                 pass
         return copies
@@ -92,7 +101,7 @@ class RefusesWhenLow(Delegate):
         self.calls += 1
         if self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.rng.random() < 0.3:
             raise OutOfBlocks(f"{seq_id}: not now")
-        return self.inner.append(seq_id, n)
+        return grow(self.inner, seq_id, n)
 
 
 class Watermark(Delegate):
@@ -104,7 +113,7 @@ class Watermark(Delegate):
             left = self.inner.num_free_blocks - self.inner.blocks_needed(seq_id, n)
             if left < self.inner.num_blocks // 10:
                 raise OutOfBlocks(f"{seq_id}: under the watermark")
-        return self.inner.append(seq_id, n)
+        return grow(self.inner, seq_id, n)
 
 
 class NoFork(Delegate):
@@ -122,15 +131,15 @@ class TracedRefusal(Delegate):
         if self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.calls % 5 == 0:
             self.inner.pool.allocate()  # taken, never given back
             raise OutOfBlocks(f"{seq_id}: not now")
-        return self.inner.append(seq_id, n)
+        return grow(self.inner, seq_id, n)
 
 
 class LeavesRowsBehind(BlockManager):
-    """free() gives the blocks back but leaves their ids in the table row."""
+    """release() gives the blocks back but leaves their ids in the table row."""
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         row, blocks = self.rows.get(seq_id), list(self.blocks.get(seq_id, []))
-        done = super().free(seq_id)
+        done = super().release(seq_id, reason)
         w = self.table.width
         for i, b in enumerate(blocks[:w]):
             self.table.host[row * w + i] = b
@@ -138,27 +147,27 @@ class LeavesRowsBehind(BlockManager):
 
 
 class DoubleFreeGuard(BlockManager):
-    """The pool's guard fires on the tenth free: "decref of free block (double free)"."""
+    """The pool's guard fires on the tenth release: "decref of free block (double free)"."""
 
     frees = 0
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         self.frees += 1
         if self.frees == 10:
             raise RuntimeError("decref of free block (double free)")
-        return super().free(seq_id)
+        return super().release(seq_id, reason)
 
 
 class IndexErrorOnGrowth(BlockManager):
-    """An off-by-one deep in growth: IndexError on the 15th append."""
+    """An off-by-one deep in growth: IndexError on the 15th admission or append."""
 
     appends = 0
 
-    def append(self, seq_id, n):
+    def _grow(self, seq_id, n):
         self.appends += 1
         if self.appends == 15:
             return [][1]
-        return super().append(seq_id, n)
+        return super()._grow(seq_id, n)
 
 
 class OutOfRangeSnapshot(BlockManager):
@@ -194,13 +203,13 @@ class MiscountsFree(BlockManager):
 class SkipsCopyOnWrite(BlockManager):
     """Appending to a shared, partly filled last block writes into it: no copy is made."""
 
-    def append(self, seq_id, n):
+    def append(self, seq_id, token_ids):
         blocks, b, saved = self.blocks.get(seq_id), None, 0
         if blocks and self.num_tokens[seq_id] % self.block_size:
             b = blocks[-1]
             saved, self.pool.ref[b] = self.pool.ref[b], 1
         try:
-            return super().append(seq_id, n)
+            return super().append(seq_id, token_ids)
         finally:
             if b is not None:
                 self.pool.ref[b] = saved
@@ -222,7 +231,7 @@ class RefusalBumpsRef(Delegate):
         if held and self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.calls % 5 == 0:
             self.inner.pool.incref(held[0])  # one more holder nobody will release
             raise OutOfBlocks(f"{seq_id}: not now")
-        return self.inner.append(seq_id, n)
+        return grow(self.inner, seq_id, n)
 
 
 # -- managers that hang or end the process (tests/test_isolation.py) --------------------------
@@ -250,47 +259,48 @@ FATE = {
 
 
 class Fated(LeavesRowsBehind):
-    """Leaves rows behind after free (table_integrity finds it from step 14 of baseline-clean
-    seed 0), then meets its FATE in the first append of several tokens after its 6th free
-    (append('r9', 35) at step 21 there): inside the call, or (OUTSIDE) in the engine's next step."""
+    """Leaves rows behind after release (table_integrity finds it from step 14 of baseline-clean
+    seed 0), then meets its FATE in the first growth (admit or append) of several tokens after
+    its 6th release (admit('r9', [...], 35, 34) at step 21 there): inside the call, or (OUTSIDE)
+    in the engine's next step."""
 
     FATE, OUTSIDE = "hang", False
     frees = 0
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         self.frees += 1
-        return super().free(seq_id)
+        return super().release(seq_id, reason)
 
-    def append(self, seq_id, n):
+    def _grow(self, seq_id, n):
         if self.frees >= 6 and n > 1:
             fate = FATE[self.FATE]
             if not self.OUTSIDE:
                 fate()
             Engine.step = lambda engine: fate()  # this process only: a fresh worker per run
-        return super().append(seq_id, n)
+        return super()._grow(seq_id, n)
 
 
-class HangsInAppend(Fated):
+class HangsInAdmit(Fated):
     pass
 
 
-class DeafHangInAppend(Fated):
+class DeafHangInAdmit(Fated):
     FATE = "deaf"
 
 
-class ExitsInAppend(Fated):
+class ExitsInAdmit(Fated):
     FATE = "exit"
 
 
-class SegfaultsInAppend(Fated):
+class SegfaultsInAdmit(Fated):
     FATE = "segfault"
 
 
-class KilledInAppend(Fated):
+class KilledInAdmit(Fated):
     FATE = "sigkill"
 
 
-class SysExitsInAppend(Fated):
+class SysExitsInAdmit(Fated):
     FATE = "sys.exit"
 
 
@@ -379,7 +389,7 @@ class NoRollback(Delegate):
                 blocks.append(inner.pool.allocate())
                 inner.table.write(row, len(blocks) - 1, blocks[-1])
             raise OutOfBlocks(f"{seq_id}: the pool ran dry")
-        return inner.append(seq_id, n)
+        return grow(self.inner, seq_id, n)
 
 
 class HangsWhenBuilt(BlockManager):

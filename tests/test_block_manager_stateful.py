@@ -1,10 +1,11 @@
-"""kvchaos.engine.block_manager.BlockManager as a Hypothesis state machine: the conformance suite
-every block manager faces (kvchaos.harness.judge.conformance: refusals change nothing, append
-succeeds with room, every token written reads back through the table, copy-on-write, free,
-resize, each snapshot's integrity), plus what only the reference promises: the exact block count
-and blocks_needed of each sequence, the invariants I1-I5 of block_manager.py, its private
-bookkeeping (token counts, free rows), cancel through `hold()`, and TableOverflow / a narrowing
-resize refused without a trace.
+"""kvchaos.engine.block_manager.BlockManager as a Hypothesis state machine: the protocol v2
+conformance suite every v2 manager faces (kvchaos.harness.judge.conformance_v2: answers, refusals
+change nothing, every computed position reads its own KV through the table, copy-on-write,
+release reasons, each snapshot's integrity), plus what only the reference promises: a refusal
+only without room, append_decode all or nothing, resize keeps every row, the exact block count and
+blocks_needed of each sequence, the invariants I1-I5 of block_manager.py, its private bookkeeping
+(token counts, free rows), cancel through `hold()`, and TableOverflow / a narrowing resize refused
+without a trace.
 """
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import consumes, invariant, precondition, rule
+from hypothesis.stateful import consumes, initialize, invariant, precondition, rule
 
 from kvchaos.engine.block_manager import BlockManager, BlockPool
+from kvchaos.engine.boundary import describe
 from kvchaos.engine.errors import OutOfBlocks, TableOverflow
-from kvchaos.harness.judge.conformance import ConformanceMachine
+from kvchaos.engine.protocols import capabilities
+from kvchaos.engine.tables import OwnedTable
+from kvchaos.harness.judge.conformance_v2 import ConformanceMachineV2
+
+SEQS, RELEASED = ConformanceMachineV2.seqs, ConformanceMachineV2.released
 
 
 class Interrupted(BaseException):
-    """Not an Exception: hold() must free on every exit path, not only on errors."""
+    """Not an Exception: hold() must release on every exit path, not only on errors."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,11 +42,49 @@ def state_of(bm: BlockManager) -> dict:
     return d
 
 
-class ReferenceMachine(ConformanceMachine):
+class ReferenceMachine(ConformanceMachineV2):
     factory = BlockManager
 
-    def tokens(self, s: str) -> int:
-        return len(self.content[s])
+    def __init__(self) -> None:
+        super().__init__()
+        self.resizes = 0
+
+    @initialize(
+        num_blocks=st.integers(8, 24),
+        block_size=st.sampled_from((1, 2, 4)),
+        rows=st.integers(2, 5),
+        width=st.integers(2, 6),
+    )
+    def setup(self, num_blocks, block_size, rows, width):
+        """A table narrower than the pool (the suite's own is as wide): rows and width matter."""
+        self.num_blocks, self.bs = num_blocks, block_size
+        self.bm = type(self).factory(num_blocks, block_size, rows, width)
+        self.caps, self.reserved = capabilities(self.bm), set()
+        self.table = OwnedTable(self.bm)
+        self.check_snapshot()
+
+    def fits(self, tokens: int) -> bool:
+        """... and within a row: the engine refuses (or resizes for) a longer request."""
+        return super().fits(tokens) and cdiv(tokens, self.bs) <= self.bm.table.width
+
+    def answer(self, name: str, *args, refusable: bool = False):
+        """Each call as the suite makes it; a refusal only when the pool (or the rows) cannot
+        cover what the call needs."""
+        bm = self.bm
+        free, rows = bm.num_free_blocks, bm.num_free_rows
+        need = {
+            "admit": lambda s, toks, n, _: cdiv(min(n, len(toks)), self.bs),
+            "append": lambda s, toks: self.expected_need(s, len(toks)),
+            "append_decode": lambda seqs, _: sum(self.expected_need(s, 1) for s in seqs),
+            "fork": lambda parent, child: 0,
+        }.get(name)
+        want = need(*args) if need else 0
+        try:
+            return super().answer(name, *args, refusable=refusable)
+        except OutOfBlocks:
+            no_row = name in ("admit", "fork") and rows == 0
+            assert want > free or no_row, f"{describe(name, args)} refused with room ({free})"
+            raise
 
     def expect_atomic_failure(self, exc, fn, *args):
         before = state_of(self.bm)
@@ -49,22 +93,54 @@ class ReferenceMachine(ConformanceMachine):
         assert state_of(self.bm) == before, f"{fn.__name__}{args} raised but changed the manager"
 
     # -- the reference's own rules -------------------------------------------------------------
-    @rule(
-        target=ConformanceMachine.freed, seq=consumes(ConformanceMachine.seqs), n=st.integers(1, 6)
-    )
+    @precondition(lambda self: self.bm is not None and self.tokens)
+    @rule(batch=st.lists(SEQS, min_size=1, max_size=4))
+    def decode(self, batch):
+        """append_decode of the sequences whose next token is known: all or nothing."""
+        batch = [
+            s
+            for s in dict.fromkeys(batch)
+            if len(self.tokens[s]) == self.done[s] + 1 and self.fits(self.done[s] + 2)
+        ]
+        if not batch:
+            return
+        toks = [self.tokens[s][-1] for s in batch]
+        before = self.observed()
+        try:
+            copies = self.answer("append_decode", batch, toks, refusable=True)
+        except OutOfBlocks:
+            self.check_refusal(describe("append_decode", (batch, toks)), before)
+            return
+        for i, s in enumerate(batch):  # the step applies every copy before it writes
+            self.compute(s, self.done[s], self.done[s] + 1, copies if i == 0 else ())
+
+    @precondition(lambda self: self.bm is not None and self.resizes < 3)
+    @rule(more_rows=st.integers(0, 2), more_width=st.integers(0, 3))
+    def resize(self, more_rows, more_width):
+        bm, t = self.bm, self.bm.table
+        rows, width, free_rows = t.rows + more_rows, t.width + more_width, bm.num_free_rows
+        self.resizes += 1
+        bm.resize_table(rows=rows, width=width)
+        assert (bm.table.rows, bm.table.width) == (rows, width)
+        assert bm.num_free_rows == free_rows + more_rows
+        self.check_data()
+        self.check_snapshot()
+
+    @rule(target=RELEASED, seq=consumes(SEQS), n=st.integers(1, 6))
     def cancel(self, seq, n):
         """A cancel mid-way: the sequence's owner grows it inside hold() and is interrupted."""
         bm = self.bm
         with pytest.raises(Interrupted):
             with bm.hold(seq):
                 try:
-                    bm.append(seq, n)
+                    bm.append(seq, range(n))
                 except (OutOfBlocks, TableOverflow):
                     pass
                 raise Interrupted
         assert seq not in bm.blocks and seq not in bm.rows
-        del self.content[seq]
-        self.check_data("free")
+        for record in (self.tokens, self.prefixes, self.done):
+            del record[seq]
+        self.check_data()
         self.check_snapshot()
         return seq
 
@@ -76,13 +152,13 @@ class ReferenceMachine(ConformanceMachine):
         exc = TableOverflow if cdiv(n, bm.block_size) <= bm.num_free_blocks else OutOfBlocks
         if bm.num_free_rows == 0:
             exc = (OutOfBlocks, TableOverflow)
-        self.expect_atomic_failure(exc, bm.append, "overlong", n)
+        self.expect_atomic_failure(exc, bm.admit, "overlong", range(n), n, n - 1)
 
-    @rule(seq=ConformanceMachine.seqs, extra=st.integers(1, 4))
+    @rule(seq=SEQS, extra=st.integers(1, 4))
     def append_past_the_row(self, seq, extra):
         bm = self.bm
-        n = bm.table.width * bm.block_size - self.tokens(seq) + extra
-        self.expect_atomic_failure((OutOfBlocks, TableOverflow), bm.append, seq, n)
+        n = bm.table.width * bm.block_size - self.done[seq] + extra
+        self.expect_atomic_failure((OutOfBlocks, TableOverflow), bm.append, seq, range(n))
 
     @precondition(lambda self: self.bm is not None and self.bm.table.width > 1)
     @rule()
@@ -92,8 +168,8 @@ class ReferenceMachine(ConformanceMachine):
 
     # -- what only the reference promises --------------------------------------------------------
     def expected_need(self, s: str, n: int) -> int:
-        """Blocks append(s, n) must take, from the model (not from the manager's own arithmetic)."""
-        bm, have = self.bm, self.tokens(s)
+        """Blocks append(s, n tokens) must take, from the model (not the manager's arithmetic)."""
+        bm, have = self.bm, self.done[s]
         bs = bm.block_size
         need = cdiv(have + n, bs) - cdiv(have, bs)
         last = bm.blocks[s][-1] if bm.blocks[s] else None
@@ -107,16 +183,16 @@ class ReferenceMachine(ConformanceMachine):
         if bm is None:
             return
         bs = bm.block_size
-        assert set(bm.blocks) == set(self.content) == set(bm.rows) == set(bm.num_tokens)
-        for s in self.content:
-            assert bm.num_tokens[s] == self.tokens(s)
-            assert len(bm.blocks[s]) == cdiv(self.tokens(s), bs)
+        assert set(bm.blocks) == set(self.done) == set(bm.rows) == set(bm.num_tokens)
+        for s, slots in self.done.items():
+            assert bm.num_tokens[s] == slots and bm.block_ids(s) is bm.blocks[s]
+            assert len(bm.blocks[s]) == cdiv(slots, bs)
             for n in (0, 1, bs, bs + 1):
                 assert bm.blocks_needed(s, n) == self.expected_need(s, n)
         assert bm.blocks_needed("unseen", 3) == cdiv(3, bs)
         owned = list(bm.rows.values())
         assert sorted(bm._free_rows + owned) == list(range(bm.table.rows))
-        assert bm.num_free_rows == bm.table.rows - len(self.content)
+        assert bm.num_free_rows == bm.table.rows - len(self.done)
         ref = bm.pool.ref
         assert bm.pool.shared == sum(1 for r in ref if r > 1)  # I5
         assert sorted(bm.pool.free) == [b for b in range(bm.num_blocks) if ref[b] == 0]  # I1, I3
@@ -133,19 +209,33 @@ TestBlockManagerStateful.settings = settings(
 
 
 # -- plain unit tests ------------------------------------------------------------------------
-def test_hold_frees_on_exception():
+def test_hold_releases_on_exception():
     bm = BlockManager(8, 4, 2, 4)
     with pytest.raises(RuntimeError, match="boom"):
         with bm.hold("a") as sid:
             assert sid == "a"
-            bm.append("a", 9)
+            assert bm.admit("a", range(9), 9, 8) == 0
             assert bm.num_free_blocks == 5
             raise RuntimeError("boom")
     assert bm.num_free_blocks == 8 and "a" not in bm.blocks and bm.num_free_rows == 2
     assert bm.table.host.tolist() == [-1] * 8
     with bm.hold("b"):  # and on a normal exit too
-        bm.append("b", 1)
-    assert bm.num_free_blocks == 8 and bm.free("b") is False
+        bm.admit("b", [1], 1, 0)
+    assert bm.num_free_blocks == 8 and bm.release("b", "finished") is False
+
+
+def test_admit_starts_a_sequence_and_append_grows_a_live_one_only():
+    bm = BlockManager(8, 4, 2, 4)
+    assert bm.admit("a", [5, 6, 7], 8, 2) == 0  # no cache; slots for the known tokens only
+    assert bm.num_tokens == {"a": 3} and bm.block_ids("a") == [0]
+    with pytest.raises(ValueError, match="holds blocks"):
+        bm.admit("a", [1], 1, 0)
+    with pytest.raises(KeyError, match="admit starts one"):
+        bm.append("b", [1])
+    assert state_of(bm)["num_tokens"] == {"a": 3} and bm.num_free_rows == 1
+    for reason in ("finished", "aborted", "preempted", "error"):
+        bm.admit("c", [1] * 5, 5, 4)
+        assert bm.release("c", reason) is True and bm.release("c", reason) is False
 
 
 def test_double_decref_raises():
@@ -169,33 +259,33 @@ def test_pool_allocation_order_and_exhaustion():
 @pytest.mark.parametrize("writer", ["parent", "child"])
 def test_fork_copy_on_write(writer):
     bm = BlockManager(16, 4, 4, 8)
-    bm.append("p", 6)  # blocks [0, 1]; block 1 half full
+    bm.admit("p", range(6), 6, 5)  # blocks [0, 1]; block 1 half full
     bm.fork("p", "c")
     shared = list(bm.blocks["p"])
     assert bm.blocks["c"] == shared and [bm.pool.ref[b] for b in shared] == [2, 2]
     other = "c" if writer == "parent" else "p"
     w = "p" if writer == "parent" else "c"
     assert bm.blocks_needed(w, 1) == 1
-    copies = bm.append(w, 1)
+    copies = bm.append(w, [9])
     fresh = bm.blocks[w][-1]
     assert copies == [(shared[1], fresh)] and fresh not in shared
     assert bm.blocks[w] == [shared[0], fresh] and bm.blocks[other] == shared
     assert bm.pool.ref[shared[0]] == 2 and bm.pool.ref[shared[1]] == 1 and bm.pool.ref[fresh] == 1
     # the other side now owns its last block alone: no copy for it
-    assert bm.append(other, 1) == [] and bm.blocks[other] == shared
+    assert bm.append(other, [9]) == [] and bm.blocks[other] == shared
     # and through the decode path, a full shared block needs no copy either
-    bm.append("p", 1), bm.append("c", 1)  # both at 8 tokens: last blocks full
+    bm.append("p", [9]), bm.append("c", [9])  # both at 8 tokens: last blocks full
     bm.fork("p", "d")
-    assert bm.append_decode(["p", "d"]) == []
+    assert bm.append_decode(["p", "d"], [3, 3]) == []
     assert bm.blocks["p"][:2] == bm.blocks["d"][:2] and bm.blocks["p"][2] != bm.blocks["d"][2]
 
 
 def test_append_decode_cow_through_fast_path():
     bm = BlockManager(16, 4, 4, 8)
-    bm.append("p", 5)
+    bm.admit("p", range(5), 5, 4)
     bm.fork("p", "c")
     src = bm.blocks["p"][1]
-    copies = bm.append_decode(["p", "c"])
+    copies = bm.append_decode(["p", "c"], [1, 2])
     assert copies == [
         (src, bm.blocks["p"][1])
     ]  # the first side copies; the second then owns src alone
@@ -204,24 +294,24 @@ def test_append_decode_cow_through_fast_path():
 
 def test_table_overflow_is_atomic_for_new_sequence_and_decode_batch():
     bm = BlockManager(16, 2, 3, 2)
-    bm.append("a", 2)
-    bm.append("b", 4)  # row full
+    bm.admit("a", [1, 2], 2, 1)
+    bm.admit("b", [1, 2, 3, 4], 4, 3)  # row full
     before = state_of(bm)
     with pytest.raises(TableOverflow):
-        bm.append_decode(["a", "b"])  # "a" would fit; the batch fails as a whole
+        bm.append_decode(["a", "b"], [5, 5])  # "a" would fit; the batch fails as a whole
     with pytest.raises(TableOverflow):
-        bm.append("new", 5)
+        bm.admit("new", range(5), 5, 4)
     with pytest.raises(TableOverflow):
-        bm.append("b", 1)
+        bm.append("b", [5])
     assert state_of(bm) == before
     bm.resize_table(width=3)
-    assert bm.append_decode(["a", "b"]) == [] and bm.num_tokens == {"a": 3, "b": 5}
+    assert bm.append_decode(["a", "b"], [5, 5]) == [] and bm.num_tokens == {"a": 3, "b": 5}
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 40), bs=st.integers(1, 5))
-def test_blocks_needed_matches_append(n, bs):
+def test_blocks_needed_matches_admit(n, bs):
     bm = BlockManager(64, bs, 2, 64)
     need = bm.blocks_needed("x", n)
-    bm.append("x", n)
+    bm.admit("x", range(n), n, max(0, n - 1))
     assert need == cdiv(n, bs) == 64 - bm.num_free_blocks

@@ -292,11 +292,11 @@ def test_exit_code_per_verdict(capsys, tmp_path, monkeypatch):
     (tmp_path / "leaky_bm.py").write_text(
         "from kvchaos.engine.block_manager import BlockManager\n"
         "class Leaky(BlockManager):\n"
-        "    def free(self, seq_id):\n"
+        "    def release(self, seq_id, reason):\n"
         "        blocks = self.blocks.get(seq_id)\n"
         "        if blocks and any(self.pool.ref[b] > 1 for b in blocks):\n"
         "            return True\n"
-        "        return super().free(seq_id)\n"
+        "        return super().release(seq_id, reason)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     for verdict, path in files.items():

@@ -6,6 +6,7 @@ applicable"; pytest collects the same properties as items."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -36,12 +37,21 @@ def conformance(capsys, spec: str, *extra: str):
     return rc, out, err
 
 
-def test_the_reference_passes_every_property(capsys):
-    rc, out, err = conformance(capsys, "kvchaos.engine.block_manager:BlockManager")
+@pytest.mark.parametrize(
+    "spec, lacking",
+    [  # the plain reference in v2 calls; the same through a v1 user's manager, in v1 calls
+        ("kvchaos.engine.block_manager:BlockManager", {"hit_over_cap", "cache_consistent"}),
+        ("managers:Delegate", {"seq_tokens", "append_decode"}),
+    ],
+)
+def test_the_reference_passes_every_property(capsys, spec, lacking):
+    rc, out, err = conformance(capsys, spec)
     assert rc == 0, out + err
     rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()[2:13]}
-    assert rows == dict.fromkeys(rows, "passed") and len(rows) == 11, out
-    assert "11 of 11 applicable properties passed" in out
+    assert len(rows) == 11 and {p for p, r in rows.items() if r == "not"} == lacking, out
+    assert set(rows.values()) == {"passed", "not"}, out
+    assert ("room" in rows) == ("release_reasons" not in rows) == ("managers" in spec)  # v1's
+    assert "9 of 9 applicable properties passed" in out
 
 
 @pytest.mark.parametrize("manager", [managers.StaleSnapshot, managers.HidesSharing])
@@ -59,7 +69,9 @@ def test_a_snapshot_that_lies_is_caught_with_a_shrunk_reproducer(manager):
 def test_the_command_prints_the_reproducer_and_exits_1(capsys):
     rc, out, _ = conformance(capsys, "managers:StaleSnapshot", "--examples", "50")
     assert rc == 1
-    assert "snapshot       FAILED" in out and "snapshot FAILED: num_free_blocks says" in out
+    assert (
+        re.search(r"(?m)^snapshot +FAILED ", out) and "snapshot FAILED: num_free_blocks says" in out
+    )
     assert "  reproducer (shrunk):\n    state = BlockManagerConformance()\n" in out
     assert (
         "kvchaos conformance --block-manager managers:StaleSnapshot --examples 50 --seed 0" in out
@@ -138,8 +150,9 @@ def test_pytest_collects_one_item_a_property(pytester):
     res = pytester.runpytest(
         "--kvchaos-block-manager", "managers:StaleSnapshot", "-m", "conformance", "-q"
     )
-    # every history stops at the lie: the paths past it are "not exercised" (skipped), not passed
-    res.assert_outcomes(passed=7, failed=1, skipped=3)
+    # every history stops at the lie: the paths past it are "not exercised" (skipped), not passed;
+    # the plain reference (v2) has no prefix cache: two more skipped as not applicable
+    res.assert_outcomes(passed=5, failed=1, skipped=3 + 2)
     res.stdout.fnmatch_lines(["*snapshot FAILED: num_free_blocks says*", "*reproducer (shrunk):*"])
     assert "test_mine" not in res.stdout.str()  # -m deselects the plain test, keeps the items
 
@@ -152,4 +165,9 @@ def test_json_output_says_each_property_and_the_verdict(capsys):
     assert rc == 1 and doc["passed"] is False and doc["seed"] == 0
     props = {p["name"]: p for p in doc["properties"]}
     assert props["snapshot"]["status"] == "failed" and props["snapshot"]["reproducer"]
-    assert {p["status"] for p in props.values()} <= {"passed", "failed", "not exercised"}
+    assert {p["status"] for p in props.values()} == {
+        "passed",
+        "failed",
+        "not exercised",
+        "not applicable",  # hit_over_cap, cache_consistent: the plain reference has no cache
+    }

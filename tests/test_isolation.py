@@ -24,14 +24,14 @@ sys.path.insert(0, str(TESTS))  # tests/managers.py, named by spec (the workers 
 
 LIMIT = 2  # seconds: --timeout of the runs that hang
 # baseline-clean seed 0 under managers.Fated: table_integrity finds the rows it leaves behind from
-# step 14; its fate comes in append('r9', 35), at step 21, or in the engine's step 22
-CALL = "append('r9', 35)"
+# step 14; its fate comes in admit('r9', [...], 35, 34), at step 21, or in the engine's step 22
+CALL = "admit('r9', [...], 35, 34)"
 CASES = {
-    "HangsInAppend": ("FAIL", 21, f"{CALL} did not return within {LIMIT} s"),
-    "DeafHangInAppend": ("FAIL", 21, f"{CALL} did not return within {LIMIT} s"),
-    "ExitsInAppend": ("FAIL", 21, f"{CALL} ended the worker process: exit status 0"),
-    "SegfaultsInAppend": ("FAIL", 21, f"{CALL} ended the worker process: killed by signal SIGSEGV"),
-    "KilledInAppend": (
+    "HangsInAdmit": ("FAIL", 21, f"{CALL} did not return within {LIMIT} s"),
+    "DeafHangInAdmit": ("FAIL", 21, f"{CALL} did not return within {LIMIT} s"),
+    "ExitsInAdmit": ("FAIL", 21, f"{CALL} ended the worker process: exit status 0"),
+    "SegfaultsInAdmit": ("FAIL", 21, f"{CALL} ended the worker process: killed by signal SIGSEGV"),
+    "KilledInAdmit": (
         "FAIL",
         21,
         f"{CALL} ended the worker process: killed by signal SIGKILL (as the kernel's OOM killer "
@@ -93,7 +93,7 @@ def test_a_worker_that_hangs_or_dies_gets_a_verdict_with_its_history_and_finding
 
 def test_the_stack_of_a_hang_and_of_a_segfault_is_the_evidence(capsys, tmp_path):
     """Written by faulthandler: at the stop signal, and at the segfault."""
-    heads = (("HangsInAppend", "Current thread"), ("SegfaultsInAppend", "Fatal Python error"))
+    heads = (("HangsInAdmit", "Current thread"), ("SegfaultsInAdmit", "Fatal Python error"))
     for manager, head in heads:
         rc, doc = run(
             capsys, tmp_path, "baseline-clean", "--seed", 0, "--timeout", LIMIT,
@@ -101,14 +101,14 @@ def test_the_stack_of_a_hang_and_of_a_segfault_is_the_evidence(capsys, tmp_path)
         )  # fmt: skip
         (found,) = findings(results(doc["runs"][0]), "manager_calls")
         stack = found["evidence"]["traceback"]
-        assert head in stack and "in append" in stack and "boundary.py" in stack
+        assert head in stack and "in admit" in stack and "boundary.py" in stack
 
 
 @pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["isolated", "in-process"])
 def test_sys_exit_inside_a_manager_call_is_a_fail_naming_it(capsys, tmp_path, mode):
     rc, doc = run(
         capsys, tmp_path, "baseline-clean", "--seed", 0,
-        "--block-manager", "managers:SysExitsInAppend", *mode,
+        "--block-manager", "managers:SysExitsInAdmit", *mode,
     )  # fmt: skip
     assert rc == EXIT_CODES["FAIL"]
     (found,) = findings(results(doc["runs"][0]), "manager_calls")
@@ -116,10 +116,10 @@ def test_sys_exit_inside_a_manager_call_is_a_fail_naming_it(capsys, tmp_path, mo
 
 
 def test_the_batch_goes_on_after_a_hang_and_exits_with_the_worst(capsys, tmp_path):
-    """Before: `--timeout 5` with a manager looping forever in append hung until killed."""
+    """Before: `--timeout 5` with a manager looping forever in a call hung until killed."""
     rc, doc = run(
         capsys, tmp_path, "baseline-clean", "--seeds", "0,1", "--timeout", LIMIT,
-        "--block-manager", "managers:HangsInAppend",
+        "--block-manager", "managers:HangsInAdmit",
     )  # fmt: skip
     assert rc == EXIT_CODES["FAIL"] and [r["seed"] for r in doc["runs"]] == [0, 1]
     for r in doc["runs"]:
@@ -136,7 +136,7 @@ def test_os_exit_0_in_the_console_script_is_no_longer_a_silent_green(tmp_path):
     }
     out = subprocess.run(
         [Path(sys.executable).with_name("kvchaos"), "run", "baseline-clean", "--seed", "0",
-         "--block-manager", "managers:ExitsInAppend", "--report-dir", tmp_path],
+         "--block-manager", "managers:ExitsInAdmit", "--report-dir", tmp_path],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == EXIT_CODES["FAIL"], out.stdout + out.stderr

@@ -47,11 +47,11 @@ LEAKY_BM = """
 from kvchaos.engine.block_manager import BlockManager
 
 class Leaky(BlockManager):
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         blocks = self.blocks.get(seq_id)
         if blocks and any(self.pool.ref[b] > 1 for b in blocks):
             return True  # forgets a sequence that shares a block
-        return super().free(seq_id)
+        return super().release(seq_id, reason)
 """
 
 

@@ -4,9 +4,13 @@ inferred per protocol version, the v1 inference unchanged."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.protocols import (
     CAPABILITIES,
+    INFERABLE,
     REASONS,
     BlockManagerProtocol,
     KVManager,
@@ -14,6 +18,10 @@ from kvchaos.engine.protocols import (
     capabilities,
     protocol_version,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
+
+from managers import Delegate  # noqa: E402  a v1 manager
 
 
 class FakeV2:
@@ -101,9 +109,11 @@ def test_v2_manager_is_a_kvmanager_and_v1_is_not():
     assert protocol_version(m) == 2
     assert m.admit("a", list(range(6)), 6, 5) == 0 and m.block_ids("a") == [0, 1]
     assert m.release("a", "finished") and not m.release("a", "finished")  # idempotent
-    ref = BlockManager(8, 4, 2, 4)
-    assert not isinstance(ref, KVManager) and isinstance(ref, BlockManagerProtocol)
-    assert protocol_version(ref) == 1
+    v1 = Delegate(8, 4, 2, 4)
+    assert not isinstance(v1, KVManager) and isinstance(v1, BlockManagerProtocol)
+    assert protocol_version(v1) == 1
+    ref = BlockManager(8, 4, 2, 4)  # the plain reference: v2, its own table
+    assert isinstance(ref, KVManager) and protocol_version(ref) == 2
 
 
 def test_a_manager_missing_a_v2_member_is_not_a_kvmanager():
@@ -134,7 +144,7 @@ def test_to_dict_omits_fields_not_given():
     assert set(full.to_dict()) == set(Snapshot.__dataclass_fields__)
 
 
-def test_v1_snapshot_keeps_its_positional_fields():
+def test_an_own_table_snapshot_keeps_its_table_fields():
     snap = BlockManager(8, 4, 2, 4).snapshot()
     d = snap.to_dict()
     assert d["table_width"] == 4 and d["seq_rows"] == {} and len(d["table"]) == 8
@@ -154,9 +164,16 @@ def test_v2_capabilities_declared_keep_known_names_only():
     assert set(CAPABILITIES) >= {"prefix_cache", "cache_state", "own_table", "end_step"}
 
 
-def test_v1_capabilities_unchanged():
+def test_the_plain_reference_declares_what_it_offers():
     ref = BlockManager(8, 4, 2, 4)
-    assert capabilities(ref) == {"fork", "seq_tokens"}
+    offered = {"fork", "seq_tokens", "estimates", "append_decode", "own_table"}
+    assert capabilities(ref) == offered
+    inferred = {name for name, shape in INFERABLE.items() if isinstance(ref, shape)}
+    assert inferred == offered - {"seq_tokens"}  # the declaration matches its members
+
+
+def test_v1_capabilities_unchanged():
+    assert capabilities(Delegate(8, 4, 2, 4)) == {"fork"}
 
     class Undeclared:
         def fork(self, parent_id, child_id): ...

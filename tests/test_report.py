@@ -375,13 +375,13 @@ def test_latest_falls_back_to_a_text_file_without_symlinks(runs, tmp_path, monke
 
 
 class LeakyBM(BlockManager):
-    """A user's block manager that leaks: free() releases nothing while a block is shared."""
+    """A user's block manager that leaks: release() frees nothing while a block is shared."""
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         blocks = self.blocks.get(seq_id)
         if blocks and any(self.pool.ref[b] > 1 for b in blocks):
             return True
-        return super().free(seq_id)
+        return super().release(seq_id, reason)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ ERROR with what was recorded kept; the run folder; running under a user's own Bl
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ from kvchaos.harness.judge.history import UNSTABLE_KEYS, deterministic_digest, r
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
 from kvchaos.harness.report.render import publish
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
+
+import managers  # noqa: E402
 
 TINY_TOML = """
 [scenario]
@@ -275,61 +280,21 @@ def test_no_report_dir_writes_nothing(tiny, tmp_path, monkeypatch):
 
 
 # -- a user's own BlockManager -----------------------------------------------------------------
-class ProtocolOnlyBM:
-    """A user's block manager that offers only kvchaos.engine.protocols.BlockManagerProtocol (no
-    fast decode path, no `rows`), here by wrapping the reference one."""
-
-    def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq):
-        self._bm = BlockManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
-        self.block_size = block_size
-        self.calls = 0
-
-    @property
-    def table(self):
-        return self._bm.table
-
-    @property
-    def num_blocks(self):
-        return self._bm.num_blocks
-
-    @property
-    def num_free_blocks(self):
-        return self._bm.num_free_blocks
-
-    @property
-    def num_free_rows(self):
-        return self._bm.num_free_rows
-
-    def blocks_needed(self, seq_id, n):
-        return self._bm.blocks_needed(seq_id, n)
-
-    def append(self, seq_id, n):
-        self.calls += 1
-        return self._bm.append(seq_id, n)
-
-    def fork(self, parent_id, child_id):
-        self._bm.fork(parent_id, child_id)
-
-    def free(self, seq_id):
-        return self._bm.free(seq_id)
-
-    def resize_table(self, rows=None, width=None):
-        self._bm.resize_table(rows, width)
-
-    def snapshot(self):
-        return self._bm.snapshot()
+class ProtocolOnlyBM(managers.Delegate):
+    """A user's block manager that offers only the first protocol, BlockManagerProtocol (v1: no
+    fast decode path, no `rows`), here by forwarding to the reference one (which speaks v2)."""
 
 
 class LeakyBM(BlockManager):
-    """A user's block manager with the classic bug: free() returns early, releasing nothing, when
-    the sequence still shares a block with another one (a fork or a shared prefix) - so
+    """A user's block manager with the classic bug: release() returns early, freeing nothing,
+    when the sequence still shares a block with another one (a fork or a shared prefix) - so
     cancelling or finishing a forked request leaks its references."""
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         blocks = self.blocks.get(seq_id)
         if blocks and any(self.pool.ref[b] > 1 for b in blocks):
             return True
-        return super().free(seq_id)
+        return super().release(seq_id, reason)
 
 
 def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
@@ -342,8 +307,9 @@ def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
     assert start["block_manager"] == f"{__name__}:ProtocolOnlyBM"
     assert own.results["replay"].endswith(f"--block-manager {__name__}:ProtocolOnlyBM")
 
-    # same decisions, block for block: everything but the run_start line and the count of calls
-    # by name (no append_decode here: its decodes come as appends) is identical
+    # same decisions, block for block: the v1 manager through the shim, the plain reference in
+    # v2; everything but the run_start line and the count of calls by name (v1 names, no
+    # append_decode: its decodes come as appends) is identical
     def same(events):
         return [
             {k: v for k, v in strip(e).items() if k != "manager_calls"}

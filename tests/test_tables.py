@@ -6,6 +6,8 @@ the manager's own; the engine reads the table through it."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,10 @@ from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.block_table import BlockTable
 from kvchaos.engine.errors import OutOfBlocks, TableOverflow
 from kvchaos.engine.tables import BuiltTable, OwnedTable
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
+
+from managers import grow  # noqa: E402
 
 
 class Lists:
@@ -114,24 +120,24 @@ def test_resize_keeps_rows_and_hands_new_rows_out_last():
     t.place("d")
     assert (t.rows["c"], t.rows["d"]) == (0, 2)  # the freed row first, as BlockManager does
     ref = BlockManager(8, 4, 2, 2)
-    ref.append("a", 1)
-    ref.append("b", 1)
-    ref.free("a")
+    for s in ("a", "b"):
+        ref.admit(s, [1], 1, 0)
+    ref.release("a", "finished")
     ref.resize_table(rows=3, width=4)
-    ref.append("c", 1)
-    ref.append("d", 1)
+    for s in ("c", "d"):
+        ref.admit(s, [1], 1, 0)
     assert (ref.rows["c"], ref.rows["d"]) == (0, 2)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_same_table_as_the_reference_spill_included(seed):
-    """Random appends, decode steps, forks, frees and resizes on the reference manager with its
-    bound check off; a BuiltTable over its block lists ends each operation with the very same
-    flat buffer (rows, entries, spill) and rows."""
+    """Random admissions, appends, decode steps, forks, releases and resizes on the reference
+    manager with its bound check off; a BuiltTable over its block_ids ends each operation with the
+    very same flat buffer (rows, entries, spill) and rows."""
     rng = random.Random(seed)
     ref = BlockManager(48, 2, 4, 3)
     ref.table.bound_check = False
-    built = BuiltTable(Lists(ref.blocks), rows=4, width=3)
+    built = BuiltTable(ref, rows=4, width=3)
     built.table.bound_check = False
     live: list[str] = []
     for i in range(150):
@@ -141,7 +147,7 @@ def test_same_table_as_the_reference_spill_included(seed):
                 s = rng.choice(live) if live and rng.random() < 0.6 else f"s{i}"
                 built.place(s)
                 try:
-                    copies = ref.append(s, rng.randint(1, 5))
+                    copies = grow(ref, s, rng.randint(1, 5))
                 except OutOfBlocks:
                     if s not in ref.blocks:
                         built.drop(s)
@@ -151,7 +157,7 @@ def test_same_table_as_the_reference_spill_included(seed):
             elif op < 0.6:
                 seqs = rng.sample(live, rng.randint(1, len(live)))
                 had = {s: len(ref.blocks[s]) for s in seqs}
-                dsts = {d for _, d in ref.append_decode(seqs)}
+                dsts = {d for _, d in ref.append_decode(seqs, [0] * len(seqs))}
                 for s in seqs:  # a copy's dst is fresh: it names the sequence copied for
                     built.sync(s, copied=had[s] > 0 and ref.blocks[s][had[s] - 1] in dsts)
             elif op < 0.75:
@@ -166,7 +172,7 @@ def test_same_table_as_the_reference_spill_included(seed):
                 live.append(child)
             elif op < 0.95:
                 s = live.pop(rng.randrange(len(live)))
-                ref.free(s)
+                ref.release(s, "finished")
                 built.drop(s)
             elif ref.table.width < 6:
                 ref.resize_table(rows=ref.table.rows + 1, width=ref.table.width + 1)
@@ -194,7 +200,8 @@ def test_sync_writes_only_new_entries():
 
 
 class NoRows:
-    """A v1 manager keeping its rows to itself: the table's rows come from snapshot()."""
+    """A manager writing its own table but keeping its rows to itself: the table's rows come
+    from snapshot()."""
 
     def __init__(self) -> None:
         self.inner = BlockManager(8, 4, 2, 3)
@@ -211,7 +218,7 @@ def test_owned_table_reads_the_manager():
     m.resize_table = lambda **kw: (calls.append(kw), real(**kw))
     t = OwnedTable(m)
     assert t.owned and t.table is m.table and t.rows is m.rows and t.num_free_rows == 2
-    m.append("a", 5)
+    m.admit("a", range(5), 5, 4)
     t.place("b")
     t.sync("a")
     t.drop("a")  # the manager's own business: nothing changes
@@ -219,8 +226,8 @@ def test_owned_table_reads_the_manager():
     t.resize(width=5)
     assert calls == [{"width": 5}] and t.table.width == 5  # only what was given is passed
     hidden = NoRows()
-    hidden.inner.append("a", 1)
-    hidden.inner.append("b", 1)
+    hidden.inner.admit("a", [1], 1, 0)
+    hidden.inner.admit("b", [1], 1, 0)
     assert OwnedTable(hidden).rows == {"a": 0, "b": 1}
 
 
@@ -242,6 +249,7 @@ def test_engine_reads_its_table_component():
     assert isinstance(eng.table, OwnedTable) and eng.table.table is eng.bm.manager.table
     eng.add_request("r", [1, 2, 3, 4, 5], 3)
     eng.step()
+    assert eng.protocol == 2 and eng.bm.calls["admit"] == 1  # the plain reference speaks v2
     assert eng.snapshot().to_dict() == eng.bm.snapshot().to_dict()  # owned: the manager's word
     # an engine-built table replaces the table fields with its own
     built = BuiltTable(Lists(eng.bm.manager.blocks), rows=3, width=5)

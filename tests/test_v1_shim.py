@@ -1,11 +1,14 @@
 """The engine speaks protocol v2 (docs/protocol-v2.md section 1, build step 3): a v1 manager runs
-through V1Shim making the very calls it always got; a v2 manager written against KVManager alone
-(no shim, the engine builds its table) is told why each sequence leaves, has its answers checked
-at the boundary, and runs a clean scenario to PASS."""
+through V1Shim making the very calls it always got, and a user's v1 class is warned about once
+(deprecated); a v2 manager written against KVManager alone (no shim, the engine builds its table)
+is told why each sequence leaves, has its answers checked at the boundary, and runs a clean
+scenario to PASS."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -14,10 +17,15 @@ from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary, ManagerError
 from kvchaos.engine.compat import V1Shim, as_v2
 from kvchaos.engine.errors import OutOfBlocks
-from kvchaos.engine.protocols import KVManager, Snapshot
+from kvchaos.engine.prefix_manager import PrefixCachingManager
+from kvchaos.engine.protocols import KVManager
 from kvchaos.engine.tables import BuiltTable, OwnedTable
 from kvchaos.harness.judge.runner import run_scenario
 from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
+
+import managers  # noqa: E402
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -47,8 +55,11 @@ def drain(eng: Engine, steps: int = 300) -> None:
     raise AssertionError("the engine did not finish")
 
 
-class RecordingV1(BlockManager):
-    """The reference (v1), every protocol call and its answer written down."""
+class RecordingV1(managers.Delegate):
+    """A user's v1 manager (over the reference), every protocol call and its answer written
+    down."""
+
+    capabilities = frozenset({"fork", "seq_tokens"})
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -60,7 +71,7 @@ class RecordingV1(BlockManager):
         return out
 
     def append_decode(self, seq_ids):
-        out = super().append_decode(seq_ids)
+        out = self.inner.append_decode(seq_ids, [0] * len(seq_ids))
         self.log.append(("append_decode", list(seq_ids), list(out)))
         return out
 
@@ -71,7 +82,7 @@ class RecordingV1(BlockManager):
 
 
 class UserV1(RecordingV1):
-    """A manager from outside kvchaos (this test module): warned about once."""
+    """Another user's v1 class: warned about once, on its own."""
 
 
 def test_shim_maps_each_v2_call_to_its_v1_call():
@@ -88,11 +99,11 @@ def test_shim_maps_each_v2_call_to_its_v1_call():
     assert shim.block_ids("a") == v1.snapshot().seq_blocks["a"]
     assert shim.blocks_needed("c", 5) == v1.blocks_needed("c", 5)
     assert shim.release("a", "finished") is True and shim.release("a", "aborted") is False
-    assert [c[:3] for c in v1.log if c[0] != "append_decode"] == [
+    assert [c[:3] for c in v1.log] == [
         ("append", "a", 6),
         ("append", "a", 4),
         ("append", "b", 1),
-        ("append", "a", 1),  # the reference's append_decode appends one by one
+        ("append_decode", ["a"], []),
         ("free", "a", True),
         ("free", "a", False),
     ]
@@ -100,21 +111,34 @@ def test_shim_maps_each_v2_call_to_its_v1_call():
         shim.admit("big", list(range(99)), 99, 98)
 
 
-def test_a_v2_manager_is_not_wrapped_and_only_outside_managers_are_warned(monkeypatch):
-    v2 = V2Manager(8, 4, 2, 4)
+def warned(*managers_) -> list[str]:
+    """The deprecation warnings as_v2 gives for these managers: the class each names."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for m in managers_:
+            as_v2(m)
+    assert all(w.category is DeprecationWarning for w in seen)
+    return [str(w.message).split(" ")[0] for w in seen]
+
+
+def test_a_users_v1_manager_is_warned_once_a_class_and_v2_never(monkeypatch):
+    monkeypatch.setattr("kvchaos.engine.compat._warned", set())
+    v2 = RecordingV2(8, 4, 2, 4)
     assert as_v2(v2) is v2
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        as_v2(UserV1(8, 4, 2, 4))
-    assert not seen  # nothing to migrate to yet: --block-manager takes v1 managers alone
-    monkeypatch.setattr("kvchaos.engine.compat.DEPRECATE_V1", True)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        as_v2(BlockManager(8, 4, 2, 4))  # our own reference: v1 until it moves to v2
-        as_v2(UserV1(8, 4, 2, 4))
-        as_v2(UserV1(8, 4, 2, 4))  # once per class
-    assert [str(w.message).split(" ")[0] for w in seen] == ["UserV1"]
-    assert seen[0].category is DeprecationWarning and "docs/protocol-v2.md" in str(seen[0].message)
+    ours = type("OwnV1", (RecordingV1,), {"__module__": "kvchaos.engine.somewhere"})
+    refs = [BlockManager(8, 4, 2, 4), PrefixCachingManager(8, 4), v2, ours(8, 4, 2, 4)]
+    assert warned(*refs) == []  # v2 (both references), or kvchaos's own
+    assert warned(UserV1(8, 4, 2, 4), UserV1(8, 4, 2, 4), RecordingV1(8, 4, 2, 4)) == [
+        "UserV1",  # once per class
+        "RecordingV1",
+    ]
+    with pytest.warns(DeprecationWarning, match="docs/adapters.md") as seen:
+        make_engine(type("LateV1", (RecordingV1,), {})(40, 4, 4, 8))  # through the engine
+    (w,) = seen
+    assert "LateV1 implements the v1 BlockManagerProtocol" in str(w.message)
+    assert "move it to protocol v2" in str(w.message)
+    monkeypatch.setattr("kvchaos.engine.compat.DEPRECATE_V1", False)
+    assert warned(type("Quiet", (RecordingV1,), {})(8, 4, 2, 4)) == []
 
 
 def test_engine_drives_a_v1_manager_through_the_shim_with_its_v1_calls():
@@ -141,28 +165,16 @@ def test_engine_drives_a_v1_manager_through_the_shim_with_its_v1_calls():
     assert eng.bm.calls["free"] == 2 and eng.bm.calls["append"] == 3
 
 
-class V2Manager:
-    """A v2 manager written against KVManager alone: no cache, no table, no fork; blocks_needed
-    for the sequences it holds. Records every release reason."""
+class RecordingV2(managers.PlainV2):
+    """PlainV2 (KVManager alone, block 0 reserved) with estimates for the sequences it holds only
+    (an unseen id is an error), recording every admission and release reason."""
 
-    kvchaos_protocol = 2
+    capabilities = frozenset({"seq_tokens", "estimates"})
 
-    def __init__(self, num_blocks, block_size, max_num_seqs=None, max_blocks_per_seq=None):
-        self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.ref = [0] * num_blocks
-        self.blocks: dict[str, list[int]] = {}
-        self.tokens: dict[str, int] = {}
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.released: list[tuple[str, str]] = []
         self.admits: list[tuple] = []
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.ref)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
 
     def blocks_needed(self, seq_id, n):
         if seq_id not in self.tokens:
@@ -170,54 +182,16 @@ class V2Manager:
         bs, have = self.block_size, self.tokens[seq_id]
         return -(-(have + n) // bs) - len(self.blocks[seq_id])
 
-    def _grow(self, seq_id, n):
-        need = -(-(self.tokens[seq_id] + n) // self.block_size) - len(self.blocks[seq_id])
-        if need > len(self.free):
-            raise OutOfBlocks(f"{seq_id}: {need} blocks, {len(self.free)} free")
-        for _ in range(need):
-            b = self.free.pop()
-            self.ref[b] = 1
-            self.blocks[seq_id].append(b)
-        self.tokens[seq_id] += n
-
     def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
         self.admits.append((seq_id, len(token_ids), num_new_tokens, max_computed))
-        self.blocks[seq_id], self.tokens[seq_id] = [], 0
-        try:
-            self._grow(seq_id, min(num_new_tokens, len(token_ids)))
-        except OutOfBlocks:
-            del self.blocks[seq_id], self.tokens[seq_id]
-            raise
-        return 0
-
-    def append(self, seq_id, token_ids):
-        self._grow(seq_id, len(token_ids))
-        return []
-
-    def block_ids(self, seq_id):
-        return self.blocks[seq_id]
+        return super().admit(seq_id, token_ids, num_new_tokens, max_computed)
 
     def release(self, seq_id, reason):
         self.released.append((seq_id, reason))
-        if seq_id not in self.blocks:
-            return False
-        for b in self.blocks.pop(seq_id):
-            self.ref[b] = 0
-            self.free.append(b)
-        del self.tokens[seq_id]
-        return True
-
-    def snapshot(self) -> Snapshot:
-        return Snapshot(
-            len(self.ref),
-            list(self.free),
-            list(self.ref),
-            {s: list(b) for s, b in self.blocks.items()},
-            seq_tokens=dict(self.tokens),
-        )
+        return super().release(seq_id, reason)
 
 
-class AnswersBadly(V2Manager):
+class AnswersBadly(RecordingV2):
     def __init__(self, *args, answer=-1) -> None:
         super().__init__(*args)
         self.answer = answer
@@ -228,7 +202,7 @@ class AnswersBadly(V2Manager):
 
 
 def test_v2_manager_runs_unwrapped_on_a_table_the_engine_builds():
-    m = V2Manager(40, 4)
+    m = RecordingV2(40, 4)
     eng = make_engine(m)
     assert eng.bm.manager is m and isinstance(eng.table, BuiltTable)
     assert "admit" in eng.bm.calls and "free" not in eng.bm.calls
@@ -238,15 +212,15 @@ def test_v2_manager_runs_unwrapped_on_a_table_the_engine_builds():
     assert m.admits == [("a", 10, 8, 9)]
     snap = eng.snapshot()
     row = snap.seq_rows["a"]
-    assert snap.table[row * 8 : row * 8 + 3] == [0, 1, -1]
+    assert snap.table[row * 8 : row * 8 + 3] == [1, 2, -1]  # block 0 is reserved
     drain(eng)
     assert m.released == [("a", "finished")] and eng.bm.calls["release"] == 1
-    assert eng.snapshot().seq_rows == {} and m.num_free_blocks == 40
+    assert eng.snapshot().seq_rows == {} and m.num_free_blocks == 39
 
 
 def test_release_reasons_reach_a_v2_manager():
-    m = V2Manager(9, 4)  # 9 blocks: two long requests cannot both decode to the end
-    eng = make_engine(m, num_blocks=9)
+    m = RecordingV2(10, 4)  # 9 usable blocks: two long requests cannot both decode to the end
+    eng = make_engine(m, num_blocks=10)
     eng.add_request("c", list(range(3, 6)), 4)
     eng.add_request("a", list(range(1, 13)), 8)
     eng.step()
@@ -283,11 +257,13 @@ def test_a_malformed_admit_answer_is_the_managers_error(answer):
 
 def test_v2_manager_runs_a_clean_scenario_to_pass():
     sc = load_scenario(BUILTIN_DIR / "baseline-clean.toml", "cpu")
-    r = run_scenario(sc, 0, "cpu", None, block_manager=V2Manager)
+    r = run_scenario(sc, 0, "cpu", None, block_manager=RecordingV2)
     assert r.verdict == "PASS", r.summary
     assert r.results["block_manager_protocol"] == 2
     assert run_scenario(sc, 0, "cpu", None).results["block_manager_protocol"] == 2  # the default
     plain = run_scenario(sc, 0, "cpu", None, block_manager=BlockManager)
-    assert plain.results["block_manager_protocol"] == 1
+    assert plain.results["block_manager_protocol"] == 2  # the plain reference too
+    v1 = run_scenario(sc, 0, "cpu", None, block_manager=managers.Delegate)
+    assert v1.verdict == "PASS" and v1.results["block_manager_protocol"] == 1
     end = next(e for e in r.events if e["e"] == "run_end")
     assert end["manager_calls"]["admit"] > 0 and end["manager_calls"]["release"] > 0

@@ -122,7 +122,7 @@ def test_checkers_with_nothing_to_judge_say_so():
 @pytest.mark.parametrize(
     "manager, call, error",
     [
-        ("DoubleFreeGuard", "free(", "RuntimeError"),
+        ("DoubleFreeGuard", "release(", "RuntimeError"),
         ("IndexErrorOnGrowth", "append(", "IndexError"),
     ],
 )

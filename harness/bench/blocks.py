@@ -216,11 +216,11 @@ def bench_decode_bookkeeping(
     def ours() -> float:
         bm = BlockManager(num_blocks, block_size, num_seqs, width)
         for i, s in enumerate(ids):
-            bm.append(s, prompt + i)
-        step = bm.append_decode
+            bm.admit(s, range(prompt + i), prompt + i, 0)  # protocol v2; it counts tokens only
+        step, tokens = bm.append_decode, [0] * num_seqs
         t = perf()
         for _ in range(steps):
-            step(ids)
+            step(ids, tokens)
         dt = perf() - t
         assert bm.num_tokens[ids[-1]] == prompt + num_seqs - 1 + steps
         return dt / (steps * num_seqs) * 1e6

@@ -53,9 +53,9 @@ class AppendOffByOne(BlockManager):
     """append: maps slots for one token fewer than it records (`< total - 1`), so a chunk whose
     last token opens a new block leaves that token's table entry unmapped (-1)."""
 
-    def append(self, seq_id, num_new_tokens):
+    def _grow(self, seq_id, num_new_tokens):  # the growth admit and append share
         before = len(self.blocks.get(seq_id, ()))
-        copies = super().append(seq_id, num_new_tokens)
+        copies = super()._grow(seq_id, num_new_tokens)
         blocks, bs = self.blocks[seq_id], self.block_size
         total = self.num_tokens[seq_id]
         if len(blocks) > before and len(blocks) * bs - (total - 1) >= bs:
@@ -69,8 +69,8 @@ class CowSharedByTwo(BlockManager):
     """copy-on-write: tests `ref > 2` for "shared", so a last block shared by exactly two
     sequences (a fork's parent and child) is written in place by both."""
 
-    def append(self, seq_id, num_new_tokens):
-        copies = super().append(seq_id, num_new_tokens)
+    def append(self, seq_id, token_ids):
+        copies = super().append(seq_id, token_ids)
         kept = []
         for src, dst in copies:
             if self.pool.ref[src] != 1:  # three or more sharers: this canary copies too
@@ -102,9 +102,9 @@ class ForkNoIncref(BlockManager):
 
 
 class FreeFirstBlockOnly(BlockManager):
-    """free: gives back the first block only (written when every sequence held one)."""
+    """free: release gives back the first block only (written when every sequence held one)."""
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         blocks = self.blocks.pop(seq_id, None)
         if blocks is None:
             return False
@@ -126,15 +126,15 @@ class CancelBeforeDecodeLeaks(BlockManager):
         super().__init__(*args)
         self.decoded: set[str] = set()
 
-    def append_decode(self, seq_ids):
-        copies = super().append_decode(seq_ids)
+    def append_decode(self, seq_ids, token_ids):
+        copies = super().append_decode(seq_ids, token_ids)
         self.decoded.update(seq_ids)
         return copies
 
-    def free(self, seq_id):
+    def release(self, seq_id, reason):
         if seq_id in self.decoded or seq_id not in self.blocks:
             self.decoded.discard(seq_id)
-            return super().free(seq_id)
+            return super().release(seq_id, reason)
         blocks, row = self.blocks.pop(seq_id), self.rows.pop(seq_id)
         del self.num_tokens[seq_id]
         self.table.clear(row, len(blocks))
@@ -143,12 +143,12 @@ class CancelBeforeDecodeLeaks(BlockManager):
 
 
 class PreemptLeavesRow(BlockManager):
-    """preempt: under pressure (fewer free blocks than live sequences: the engine is preempting)
-    a fast release path gives back blocks and row but leaves the row's entries mapped."""
+    """preempt: a release for "preempted" takes a fast path (the sequence comes back soon) that
+    gives back blocks and row but leaves the row's entries mapped."""
 
-    def free(self, seq_id):
-        if seq_id not in self.blocks or len(self.pool.free) >= len(self.rows):
-            return super().free(seq_id)
+    def release(self, seq_id, reason):
+        if seq_id not in self.blocks or reason != "preempted":
+            return super().release(seq_id, reason)
         blocks, row = self.blocks.pop(seq_id), self.rows.pop(seq_id)
         del self.num_tokens[seq_id]
         for b in reversed(blocks):
@@ -172,9 +172,9 @@ class DecodeTableNotUploaded(BlockManager):
     """table upload: append_decode takes a new block for a sequence crossing a block boundary
     but never writes it into the table row the kernels read."""
 
-    def append_decode(self, seq_ids):
+    def append_decode(self, seq_ids, token_ids):
         before = {s: len(self.blocks[s]) for s in seq_ids}
-        copies = super().append_decode(seq_ids)
+        copies = super().append_decode(seq_ids, token_ids)
         w = self.table.width
         for s in seq_ids:
             i = len(self.blocks[s]) - 1
@@ -213,9 +213,9 @@ class RowFromCount(BlockManager):
 
 
 class AdmissionFloor(BlockManager):
-    """admission: blocks_needed rounds down (`//` for ceil). The engine admits and grows on that
-    estimate, and append, whose room check trusts it, runs the pool dry halfway through instead
-    of refusing up front: the blocks taken before the refusal stay taken."""
+    """admission: blocks_needed rounds down (`//` for ceil). The engine grows sequences on that
+    estimate, and growth, whose room check trusts it (admit, append, a decode batch), runs the
+    pool dry halfway through instead of refusing up front: what it took before stays taken."""
 
     def blocks_needed(self, seq_id, num_new_tokens):
         bs = self.block_size
@@ -228,16 +228,16 @@ class AdmissionFloor(BlockManager):
 
 
 class SnapshotStale(BlockManager):
-    """snapshot: memoised on a generation counter that only append bumps, so after a free, a
-    fork or a decode step it returns the picture from before."""
+    """snapshot: memoised on a generation counter that only append bumps, so after an admission,
+    a release, a fork or a decode step it returns the picture from before."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.generation, self._cached = 0, None
 
-    def append(self, seq_id, num_new_tokens):
+    def append(self, seq_id, token_ids):
         self.generation += 1
-        return super().append(seq_id, num_new_tokens)
+        return super().append(seq_id, token_ids)
 
     def snapshot(self):
         if self._cached is None or self._cached[0] != self.generation:
