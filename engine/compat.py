@@ -5,7 +5,8 @@ has `append(seq, n)` and `free(seq)`) in `V1Shim`: each v2 call becomes the v1 c
 without prefix caching (admit answers 0 computed tokens), so a v1 manager runs exactly as before.
 The shim wraps the manager's Boundary: calls, refusals and exceptions are judged in the manager's
 own v1 terms, as they always were. v1 is deprecated: a user's v1 manager class is warned about
-once (DeprecationWarning), pointing to the migration table in docs/adapters.md.
+once (FutureWarning, which Python shows by default), pointing to the migration table in
+docs/adapters.md.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _warn_once(manager) -> None:
     warnings.warn(
         f"{kind.__name__} implements the v1 BlockManagerProtocol; it runs through a shim without "
         f"prefix caching; v1 support ends in 0.3: move it to protocol v2, see {MIGRATION}",
-        DeprecationWarning,
+        FutureWarning,  # shown by default: it is the user who must act, not a library below
         stacklevel=3,
     )
 

@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run under your own block manager (protocol v2: kvchaos.engine.protocols.KVManager; "
         "v1 BlockManagerProtocol still runs), called as "
         "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq); 'vllm': vLLM's own "
-        "KVCacheManager from the installed vllm (docs/adapters.md)",
+        "KVCacheManager from the installed vllm; 'sglang': SGLang's RadixCache and paged "
+        "allocator from the installed sglang (docs/adapters.md)",
     )
     run.add_argument(
         "--tag", action="append", help="only scenarios with this tag or marker (repeatable)"

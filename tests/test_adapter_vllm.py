@@ -70,7 +70,7 @@ def _adapter():
     try:
         return importlib.import_module(ADAPTER)
     except ImportError as e:
-        if os.environ.get("KVCHAOS_VLLM_LANE"):  # .ci/vllm-adapter: vllm must load there
+        if os.environ.get("KVCHAOS_VLLM_LANE"):  # .ci/adapter-lane vllm: vllm must load there
             raise
         pytest.skip(f"the vLLM adapter cannot load here: {e}")
 

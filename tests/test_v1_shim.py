@@ -117,7 +117,7 @@ def warned(*managers_) -> list[str]:
         warnings.simplefilter("always")
         for m in managers_:
             as_v2(m)
-    assert all(w.category is DeprecationWarning for w in seen)
+    assert all(w.category is FutureWarning for w in seen)
     return [str(w.message).split(" ")[0] for w in seen]
 
 
@@ -132,7 +132,7 @@ def test_a_users_v1_manager_is_warned_once_a_class_and_v2_never(monkeypatch):
         "UserV1",  # once per class
         "RecordingV1",
     ]
-    with pytest.warns(DeprecationWarning, match="docs/adapters.md") as seen:
+    with pytest.warns(FutureWarning, match="docs/adapters.md") as seen:
         make_engine(type("LateV1", (RecordingV1,), {})(40, 4, 4, 8))  # through the engine
     (w,) = seen
     assert "LateV1 implements the v1 BlockManagerProtocol" in str(w.message)

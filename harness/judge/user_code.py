@@ -38,7 +38,10 @@ def reference_spec(cache_config) -> str:
 
 
 MIN_COPY_BYTES = 200  # an empty __init__.py of the same name is no copy
-ALIASES = {"vllm": "kvchaos.harness.adapters.vllm:VLLMManager"}  # shipped adapters' short names
+ALIASES = {  # shipped adapters' short names
+    "vllm": "kvchaos.harness.adapters.vllm:VLLMManager",
+    "sglang": "kvchaos.harness.adapters.sglang:SGLangManager",
+}
 
 
 def canonical_spec(spec: str | None) -> str | None:
