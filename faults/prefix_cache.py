@@ -379,13 +379,14 @@ class PrefixCache(Fault):
             poisoned = {p["req"] for p in truth.get("poisoned", []) if p["step"] <= s}
             return "consequence" if ev.get("req") in poisoned else None
         if checker == "prefix_cache" and kind == "cache_content":
-            if ev.get("block") in {
-                x["block"] for x in truth.get("bad_entries", ()) if x["step"] <= s
-            }:
+            bad = {x["block"] for x in truth.get("bad_entries", ()) if x["step"] <= s}
+            if ev.get("block") in bad:
                 return "cause"
-            # a block a victim keyed over KV it computed after its wrong read
+            # a block a victim keyed over KV it computed after its wrong read, or one whose
+            # parent is a bad entry (it does not continue that block's wrong KV)
             tainted = {x["block"] for x in truth.get("tainted_blocks", ()) if x["step"] <= s}
-            return "consequence" if ev.get("block") in tainted else None
+            wrong_parent = ev.get("parent_block") in bad | tainted
+            return "consequence" if ev.get("block") in tainted or wrong_parent else None
         if checker == "prefix_cache" and kind == "hit_blocks":
             return "cause" if ev.get("req") in read else None
         if checker == "block_accounting":

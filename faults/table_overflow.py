@@ -163,10 +163,12 @@ class TableOverflow(Fault):
             ev.get("req") in reqs or ev.get("block") in set(truth["touched"]["blocks"])
         ):  # read through a spilled entry, or KV a spilled write left
             return "consequence" if finding.get("kind") == "poisoned_read" else "cause"
+        touched = set(truth["touched"]["blocks"])
         if finding["checker"] == "prefix_cache" and (
             set(ev.get("writers") or ()) & reqs
-            or ev.get("block") in set(truth["touched"]["blocks"])
-        ):  # a spilled write landed in a cached block
+            or ev.get("block") in touched
+            or ev.get("parent_block") in touched
+        ):  # a spilled write landed in a cached block, or in the block it continues
             return "cause"
         if finding.get("kind") in ("starvation", "unfinished") and ev.get("blocking") in set(
             truth.get("overlong", [])

@@ -140,3 +140,20 @@ def test_the_cache_delta_keeps_its_own_copy_and_records_a_change_under_one_key()
     assert state[(3, "k")]["tokens"] == [1, 9]
     third, _ = cache_delta(known, [dict(entry, tokens=[1, 9])])
     assert third["cache_added"] == [] and third["cache_n"] == 1
+
+
+def test_a_broken_parent_link_names_the_parent_block_and_a_spill_into_it_explains_it():
+    from kvchaos.faults.table_overflow import TableOverflow
+
+    rec = written({"a": (A, [0, 1]), "b": ([1, 2], [2])})
+    cache = [entry(1, "k1", "kb", [7, 8]), entry(2, "kb", None, [1, 2])]
+    (ev,) = [x for x in CacheWatch(BS).check(rec, cache, 1) if x["block"] == 1]
+    assert ev["problem"] == "parent" and ev["parent_block"] == 2
+    finding = next(
+        f for f in check_prefix_cache([{"e": "run_start", "step": 0}, ev]).findings
+    ).__dict__
+    assert finding["evidence"]["parent_block"] == 2
+    truth = {"first_step": 1, "touched": {"requests": ["long0"], "rows": [], "blocks": [2]}}
+    assert TableOverflow.explains(finding, truth) == "cause"  # it spilled into the parent
+    truth["touched"]["blocks"] = [5]
+    assert TableOverflow.explains(finding, truth) is None

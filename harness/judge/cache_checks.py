@@ -115,7 +115,11 @@ def check_prefix_cache(events: list[dict]) -> CheckResult:
                 f"cached block {e['block']} (key {str(e['key'])[:16]}) "
                 f"{CACHE_PROBLEMS[e['problem']]}; {e['written']} slots written, by {who}"
             )
-            evidence = {k: e.get(k) for k in ("block", "key", "problem", "writers", "written")}
+            evidence = {
+                k: e.get(k)
+                for k in ("block", "key", "problem", "writers", "written", "parent_block")
+                if k in e
+            }
             found.append(Finding("prefix_cache", e["step"], msg, evidence, None, "cache_content"))
         elif kind == "hit_mismatch":
             msg = (

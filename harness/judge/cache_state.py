@@ -60,11 +60,12 @@ class CacheWatch:
                     continue
                 s = b * self.bs
                 writers = sorted({w for w in rec.writer[s : s + self.bs] if w is not None})
-                out.append(
-                    {"e": "cache_mismatch", "step": step, "block": b, "key": e["key"],
-                     "problem": problem, "writers": writers,
-                     "written": sum(x is not None for x in rec.ident[s : s + self.bs])}
-                )  # fmt: skip
+                written = sum(x is not None for x in rec.ident[s : s + self.bs])
+                ev = {"e": "cache_mismatch", "step": step, "block": b, "key": e["key"],
+                      "problem": problem, "writers": writers, "written": written}  # fmt: skip
+                if problem == "parent" and e.get("parent") in by_key:  # the block it continues
+                    ev["parent_block"] = by_key[e["parent"]]["block"]
+                out.append(ev)
         by_block = {e["block"]: e for e in cache}
         for _, req, tokens, blocks in hits:
             out += self._hit(step, req, tokens, blocks, by_block)
