@@ -142,44 +142,39 @@ class Oracle:
         model, cfg = self.model, self.model.cfg
         r, m = batch.shape
         p_max, dev = max(lens), model.device
-        positions = (torch.tensor(lens)[:, None] + torch.arange(m)[None, :]).clamp(
-            max=cfg.max_position - 1
-        )
+        lens_t, new = torch.tensor(lens), torch.arange(m)
+        positions = (lens_t[:, None] + new[None, :]).clamp(max=cfg.max_position - 1)
         # a query sees the cached keys of its own request and the new keys up to itself
-        key = torch.arange(p_max)
-        mask = torch.cat(
-            [
-                (key[None, :] < torch.tensor(lens)[:, None])[:, None, :].expand(r, m, p_max),
-                (torch.arange(m)[None, :] <= torch.arange(m)[:, None])[None].expand(r, m, m),
-            ],
-            dim=-1,
-        )[:, None].to(dev)  # [R, 1, M, P+M]
+        key = torch.arange(p_max + m)[None, None, :]
+        mask = (key < lens_t[:, None, None]) | (
+            (key >= p_max) & (key <= p_max + new[None, :, None])
+        )  # [R, M, P+M]
         groups = cfg.num_heads // cfg.num_kv_heads
-        new_kv = []
-        if p_max:  # the caches, padded once for every layer: [layers, 2, R, Hkv, P, D]
-            shape = (cfg.num_layers, 2, r, cfg.num_kv_heads, p_max, cfg.head_dim)
-            padded = torch.zeros(shape, dtype=cfg.torch_dtype, device=dev)
-            for row, past in enumerate(pasts):
-                if past:
-                    padded[:, :, row, :, : lens[row]] = past.kv
+        # the query heads sharing a K/V head share its attention call: [R, Hkv, G*M, ...]
+        mask = mask[:, None].repeat(1, 1, groups, 1).to(dev)
+        # every layer's K/V, the caches padded to P then the new tokens': written once, read as
+        # they are (no per-layer concatenation); the new tokens' part is what this returns
+        shape = (cfg.num_layers, 2, r, cfg.num_kv_heads, p_max + m, cfg.head_dim)
+        kv = torch.zeros(shape, dtype=cfg.torch_dtype, device=dev)
+        for row, past in enumerate(pasts):
+            if past:
+                kv[:, :, row, :, : lens[row]] = past.kv
+        wide = cfg.torch_dtype != torch.float32  # attention runs in float32
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k, v = (x.view(r, m, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
-            new_kv.append(torch.stack([k, v]))
-            if p_max:
-                k = torch.cat([padded[layer, 0], k], dim=2)
-                v = torch.cat([padded[layer, 1], v], dim=2)
-            o = F.scaled_dot_product_attention(
-                q.float(),
-                k.float().repeat_interleave(groups, dim=1),
-                v.float().repeat_interleave(groups, dim=1),
-                attn_mask=mask,
-                scale=model.scale,
-            )  # [R, H, M, D]
-            return o.transpose(1, 2).reshape(r * m, o.shape[1], o.shape[3]).to(cfg.torch_dtype)
+            kv[layer, 0, :, :, p_max:] = k.view(r, m, k.shape[1], k.shape[2]).transpose(1, 2)
+            kv[layer, 1, :, :, p_max:] = v.view(r, m, v.shape[1], v.shape[2]).transpose(1, 2)
+            h, d = q.shape[1], q.shape[2]
+            q = q.view(r, m, h, d).transpose(1, 2).reshape(r, h // groups, groups * m, d)
+            keys, values = kv[layer, 0], kv[layer, 1]
+            if wide:
+                q, keys, values = q.float(), keys.float(), values.float()
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=model.scale)
+            o = o.view(r, h, m, d).transpose(1, 2).reshape(r * m, h, d)  # [R*M, H, D]
+            return o.to(cfg.torch_dtype) if wide else o
 
         hidden = model.forward(batch.reshape(-1).to(dev), positions.reshape(-1).to(dev), attend)
-        return hidden.view(r, m, -1), torch.stack(new_kv)  # [layers, 2, R, Hkv, M, D]
+        return hidden.view(r, m, -1), kv[:, :, :, :, p_max:]  # [layers, 2, R, Hkv, M, D]
 
     def _check_group(self, items, group: list, out: list[OracleResult], keep) -> None:
         model = self.model
