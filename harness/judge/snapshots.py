@@ -58,15 +58,14 @@ def problem_seen(
             return f"table has {len(table)} entries, not a multiple of its width {width}"
     nrows = len(table) // width
     if not (table_same and same("seq_rows")) and (
-        not isinstance(rows, dict)
-        or not all(isinstance(r, int) and 0 <= r < nrows for r in rows.values())
+        not isinstance(rows, dict) or not _ints(list(rows.values()), 0, nrows)
     ):
         return f"seq_rows does not map sequences to rows in [0, {nrows})"
     toks = d.get("seq_tokens")
     if (
         toks is not None
         and not same("seq_tokens")
-        and not (isinstance(toks, dict) and all(_ints([v], 0, None) for v in toks.values()))
+        and not (isinstance(toks, dict) and _ints(list(toks.values()), 0, None))
     ):
         return "seq_tokens (optional) does not map sequences to token counts"
     reserved = d.get("reserved")
