@@ -540,6 +540,21 @@ def test_liveness_says_what_the_queue_needed_to_move():
     assert r.findings[0].evidence["num_blocks"] == 48
 
 
+def test_a_leak_explains_starvation_against_the_usable_pool_reserved_ids_left_out():
+    # SGLang refcount-leak-detect seed 7: 29 blocks leaked of 48, one reserved; the queue needs 19
+    from kvchaos.faults.refcount_leak import RefcountLeak
+
+    start = {"e": "run_start", "step": 0, "config": {"cache": {"block_size": 4, "num_blocks": 48}}}
+    snap = {"e": "snapshot", "step": 1, "reserved": [0]}
+    h = [start, snap, submit("r0", 1, 40, 36)] + [step(n) for n in range(1, 5)]
+    (f,) = check_liveness(h, bound_steps=3, stall_steps=2).findings
+    assert (f.evidence["num_blocks"], f.evidence["blocked_need"]) == (47, 19)
+    leaks = {"leaks": [{"req": "x", "blocks": list(range(1, 30)), "step": 0}]}
+    assert RefcountLeak.explains(f.__dict__, leaks) == "consequence"  # 47 - 29 < 19
+    leaks["leaks"][0]["blocks"] = list(range(1, 29))  # 28 leaked: 19 usable remain, it fits
+    assert RefcountLeak.explains(f.__dict__, leaks) is None
+
+
 def test_liveness_no_starvation_when_the_request_makes_progress_in_time():
     h = [submit("r0", step=1), submit("r1", step=1)]
     h += [step(n, tokens={"r1": n, **({"r0": 0} if n >= 4 else {})}) for n in range(1, 10)]

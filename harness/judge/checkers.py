@@ -390,8 +390,10 @@ def check_liveness(
     Each finding carries `blocked_need`: the most blocks (plus the watermark) that any request
     ahead of or equal to the starved one, first come first served, needs to complete. Oldest first,
     with preemption of the newest, the queue moves whenever each request fits the pool on its own:
-    a leak explains starvation only while it shrinks the usable pool below that need."""
+    a leak explains starvation only while it shrinks the usable pool below that need. Its
+    `num_blocks` is that usable pool: the ids the latest snapshot reserves are left out."""
     submitted, ended, first_token, total = {}, set(), {}, {}
+    reserved = 0  # ids the manager never hands out (vLLM's null block, SGLang's padding page)
     found = []
     last_step, last_token, waiting = 0, 0, {}  # waiting: request -> when it started to wait
     cache = next(iter(_of(events, "run_start")), {}).get("config", {}).get("cache", {})
@@ -403,11 +405,14 @@ def check_liveness(
         ahead = order[: order.index(r) + 1] if r in order else [r]
         blocking = max(ahead, key=lambda q: total.get(q, 1))  # the one the queue waits on
         most = -(-total.get(blocking, 1) // bs)
-        return {"blocked_need": most + watermark, "num_blocks": num_blocks, "blocking": blocking}
+        usable = num_blocks - reserved
+        return {"blocked_need": most + watermark, "num_blocks": usable, "blocking": blocking}
 
     for e in events:
         k = e.get("e")
-        if k == "submit":
+        if k == "snapshot":
+            reserved = len(e.get("reserved") or ())
+        elif k == "submit":
             submitted[e["req"]] = e["step"]
             total[e["req"]] = e.get("prompt_len", 1) + e.get("max_new", 0)
         elif k in ("reject", "cancel"):
