@@ -1,11 +1,11 @@
 """kvchaos.engine.block_manager.BlockManager as a Hypothesis state machine: the protocol v2
 conformance suite every v2 manager faces (kvchaos.harness.judge.conformance_v2: answers, refusals
 change nothing, every computed position reads its own KV through the table, copy-on-write,
-release reasons, each snapshot's integrity), plus what only the reference promises: a refusal
-only without room, append_decode all or nothing, resize keeps every row, the exact block count and
-blocks_needed of each sequence, the invariants I1-I5 of block_manager.py, its private bookkeeping
-(token counts, free rows), cancel through `hold()`, and TableOverflow / a narrowing resize refused
-without a trace.
+release reasons, each snapshot's integrity, table rows, resize keeps every row, append_decode all
+or nothing), on a table narrower than the pool, plus what only the reference promises: a refusal
+only without room, the exact block count and blocks_needed of each sequence, the invariants I1-I5
+of block_manager.py, its private bookkeeping (token counts, free rows), cancel through `hold()`,
+and TableOverflow / a narrowing resize refused without a trace.
 """
 
 from __future__ import annotations
@@ -44,10 +44,6 @@ def state_of(bm: BlockManager) -> dict:
 
 class ReferenceMachine(ConformanceMachineV2):
     factory = BlockManager
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.resizes = 0
 
     @initialize(
         num_blocks=st.integers(8, 24),
@@ -93,39 +89,6 @@ class ReferenceMachine(ConformanceMachineV2):
         assert state_of(self.bm) == before, f"{fn.__name__}{args} raised but changed the manager"
 
     # -- the reference's own rules -------------------------------------------------------------
-    @precondition(lambda self: self.bm is not None and self.tokens)
-    @rule(batch=st.lists(SEQS, min_size=1, max_size=4))
-    def decode(self, batch):
-        """append_decode of the sequences whose next token is known: all or nothing."""
-        batch = [
-            s
-            for s in dict.fromkeys(batch)
-            if len(self.tokens[s]) == self.done[s] + 1 and self.fits(self.done[s] + 2)
-        ]
-        if not batch:
-            return
-        toks = [self.tokens[s][-1] for s in batch]
-        before = self.observed()
-        try:
-            copies = self.answer("append_decode", batch, toks, refusable=True)
-        except OutOfBlocks:
-            self.check_refusal(describe("append_decode", (batch, toks)), before)
-            return
-        for i, s in enumerate(batch):  # the step applies every copy before it writes
-            self.compute(s, self.done[s], self.done[s] + 1, copies if i == 0 else ())
-
-    @precondition(lambda self: self.bm is not None and self.resizes < 3)
-    @rule(more_rows=st.integers(0, 2), more_width=st.integers(0, 3))
-    def resize(self, more_rows, more_width):
-        bm, t = self.bm, self.bm.table
-        rows, width, free_rows = t.rows + more_rows, t.width + more_width, bm.num_free_rows
-        self.resizes += 1
-        bm.resize_table(rows=rows, width=width)
-        assert (bm.table.rows, bm.table.width) == (rows, width)
-        assert bm.num_free_rows == free_rows + more_rows
-        self.check_data()
-        self.check_snapshot()
-
     @rule(target=RELEASED, seq=consumes(SEQS), n=st.integers(1, 6))
     def cancel(self, seq, n):
         """A cancel mid-way: the sequence's owner grows it inside hold() and is interrupted."""

@@ -197,7 +197,7 @@ def test_a_module_of_the_current_directory_is_importable(tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "9 of 9 applicable properties passed" in p.stdout  # v2, as the plain reference
+    assert "12 of 12 applicable properties passed" in p.stdout  # v2, as the plain reference
 
 
 def test_in_pytest_a_bad_block_manager_is_a_usage_error(pytester):

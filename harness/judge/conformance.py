@@ -31,7 +31,8 @@ from hypothesis.stateful import (
 
 from kvchaos.engine.boundary import state_change
 from kvchaos.engine.errors import OutOfBlocks
-from kvchaos.engine.protocols import capabilities
+from kvchaos.engine.protocols import capabilities, protocol_version
+from kvchaos.engine.tables import OwnedTable
 from kvchaos.harness.judge.checkers import check_block_accounting, check_table_integrity
 from kvchaos.harness.judge.snapshots import problem_seen
 
@@ -66,7 +67,10 @@ class _Stopped(Exception):
 
 
 def applicable(manager) -> frozenset[str]:
-    """The optional paths a manager offers: its capabilities, and append_decode if it has it."""
+    """The optional paths a manager offers: its capabilities (v1's: and append_decode if it has
+    it; a v2 manager declares it, or has it inferred)."""
+    if protocol_version(manager) >= 2:
+        return capabilities(manager)
     extra = {"append_decode"} if callable(getattr(manager, "append_decode", None)) else set()
     return capabilities(manager) | extra
 
@@ -91,7 +95,7 @@ def _guarded(target: bool = False):
 
 class Judging:
     """Judging properties and calling the manager, for a conformance machine (protocol v1 here,
-    v2 in conformance_v2): set `enabled`, `tally`, `bm` and `stopped`."""
+    v2 in conformance_v2): set `enabled`, `tally`, `bm`, `stopped` and `resizes`."""
 
     def judge(self, prop: str, ok: bool, message) -> None:
         if self.tally is not None:
@@ -122,6 +126,39 @@ class Judging:
     def read(self, name: str):
         return self.call(f"reading {name}", getattr, self.bm, name)
 
+    def read_layout(self, table):
+        """(rows by sequence, the flat table, its width) of a table component
+        (kvchaos.engine.tables), read as the engine's kernels read them (host_tensor)."""
+        rows = self.call("the table's rows", lambda: table.rows)
+        t = self.call("the table", lambda: table.table)
+        host = self.call("table.host_tensor", lambda: t.host_tensor.tolist())
+        return rows, host, self.call("table.width", getattr, t, "width")
+
+    def resize_judged(self, more_rows: int, more_width: int) -> str:
+        """resize_table to a table grown by these, judged on "resize": its new size, and as
+        many more free rows as rows added. Returns the call as shown."""
+        table = self.read("table")
+        rows, width = table.rows + more_rows, table.width + more_width
+        free_rows = self.read("num_free_rows")
+        shown = f"resize_table(rows={rows}, width={width})"
+        self.resizes += 1
+        self.call(shown, self.bm.resize_table, rows=rows, width=width)
+        table = self.read("table")
+        self.judge(
+            "resize",
+            (table.rows, table.width) == (rows, width),
+            lambda: f"after {shown} the table is {table.rows} x {table.width}",
+        )
+        now = self.read("num_free_rows")
+        self.judge(
+            "resize",
+            now == free_rows + more_rows,
+            lambda: (
+                f"{shown} took free rows from {free_rows} to {now}, not {free_rows + more_rows}"
+            ),
+        )
+        return shown
+
 
 class ConformanceMachine(Judging, RuleBasedStateMachine):
     """Set `factory` (a subclass does): the block manager class or factory under test."""
@@ -150,15 +187,7 @@ class ConformanceMachine(Judging, RuleBasedStateMachine):
     # -- what the engine sees ----------------------------------------------------------------
     def layout(self):
         """(rows by sequence, the flat table, its width), found as the engine finds them."""
-        bm = self.bm
-        rows = (
-            bm.rows
-            if hasattr(bm, "rows")
-            else self.call("snapshot().seq_rows", lambda: bm.snapshot().seq_rows)
-        )
-        table = self.read("table")
-        host = self.call("table.host_tensor", lambda: table.host_tensor.tolist())
-        return rows, host, self.call("table.width", getattr, table, "width")
+        return self.read_layout(OwnedTable(self.bm))
 
     def block_of(self, seq: str, p: int, layout, prop: str) -> int:
         rows, host, w = layout
@@ -460,25 +489,6 @@ class ConformanceMachine(Judging, RuleBasedStateMachine):
     @rule(more_rows=st.integers(0, 2), more_width=st.integers(0, 3))
     @_guarded()
     def resize(self, more_rows, more_width):
-        table = self.read("table")
-        rows, width = table.rows + more_rows, table.width + more_width
-        free_rows = self.read("num_free_rows")
-        shown = f"resize_table(rows={rows}, width={width})"
-        self.resizes += 1
-        self.call(shown, self.bm.resize_table, rows=rows, width=width)
-        table = self.read("table")
-        self.judge(
-            "resize",
-            (table.rows, table.width) == (rows, width),
-            lambda: f"after {shown} the table is {table.rows} x {table.width}",
-        )
-        now = self.read("num_free_rows")
-        self.judge(
-            "resize",
-            now == free_rows + more_rows,
-            lambda: (
-                f"{shown} took free rows from {free_rows} to {now}, not {free_rows + more_rows}"
-            ),
-        )
+        self.resize_judged(more_rows, more_width)
         self.check_data("resize")
         self.check_snapshot()

@@ -33,12 +33,13 @@ from kvchaos.engine.protocols import REASONS, capabilities
 from kvchaos.engine.tables import BuiltTable, OwnedTable
 from kvchaos.harness.judge.checkers import check_block_accounting, check_table_integrity
 from kvchaos.harness.judge.conformance import Judging, _guarded
+from kvchaos.harness.judge.conformance_table import TABLE_PROPERTIES, TableRules
 from kvchaos.harness.judge.snapshots import problem_seen
 
 # name -> (the capability it needs, or None for the core protocol; what it says)
 PROPERTIES_V2 = {
     "answers": (None, "every call answers in the protocol's types or refuses (OutOfBlocks)"),
-    "refusal": (None, "a refused admit, append or fork changes nothing, its cache included"),
+    "refusal": (None, "a refused admit, append, decode or fork changes nothing (cache, table)"),
     "data": (None, "every sequence reads, at each computed position (hits too), its own KV"),
     "release_reasons": (None, "release of a live sequence, for any reason: True; again: False"),
     "snapshot": (None, "each snapshot passes the verdict-integrity checks against the harness"),
@@ -48,13 +49,14 @@ PROPERTIES_V2 = {
     "seq_tokens": ("seq_tokens", "the snapshot carries seq_tokens for every live sequence"),
     "fork": ("fork", "fork: the child maps the parent's blocks and reads its KV"),
     "copy_on_write": ("fork", "copy-on-write keeps every holder's data"),
+    **TABLE_PROPERTIES,
 }
 VOCAB = 11
 TEMPLATES = tuple([k] + [(i * 5 + k * 3) % VOCAB for i in range(1, 40)] for k in range(3))
 ROWS = 12  # table rows: sequences live at once
 
 
-class ConformanceMachineV2(Judging, RuleBasedStateMachine):
+class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
     """Set `factory` (a subclass does): the v2 block manager class or factory under test."""
 
     factory = None
@@ -77,6 +79,7 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         self.ids = itertools.count(1)
         self.stopped = False
         self.step = 0
+        self.resizes = 0
         self.prev: dict | None = None  # the last snapshot event (for writes into shared blocks)
 
     # -- the record ------------------------------------------------------------------------
@@ -100,41 +103,51 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         except BadAnswer as e:
             why = str(e)
             self.judge("answers", False, lambda: f"{shown} {why}")
+        self.after_call(name, args)
         return out
 
-    def entries(self, seq: str) -> list[int]:
-        """seq's blocks as the kernels find them: its row of the table."""
-        t = self.call("the table", lambda: self.table.table)
-        row = self.call("the table's rows", lambda: self.table.rows.get(seq))
-        n = -(-self.done[seq] // self.bs)
-        self.judge("data", isinstance(row, int), lambda: f"{seq} has no table row ({row!r})")
-        return [int(b) for b in t.host[row * t.width : row * t.width + n]]
+    def layout(self):
+        """(rows by sequence, the flat table, its width) of the table the kernels read."""
+        return self.read_layout(self.table)
 
-    def compute(self, seq: str, start: int, end: int, copies=()) -> None:
-        """The step that follows a reservation: copies applied, then positions [start, end)
-        written through the table, end_step told, the next token generated once all are."""
+    def entries(self, seq: str, layout, prop: str = "data") -> list[int]:
+        """seq's blocks as the kernels find them: its row of the table (layout())."""
+        rows, host, width = layout
+        row = self.call("the table's rows", lambda: rows.get(seq))
+        n = -(-self.done[seq] // self.bs)
+        self.judge(prop, isinstance(row, int), lambda: f"{seq} has no table row ({row!r})")
+        return [int(b) for b in host[row * width : row * width + n]]
+
+    def compute(self, spans: dict[str, tuple[int, int]], copies=(), prop: str = "data") -> None:
+        """The step that follows a reservation: copies applied, then each sequence's positions
+        [start, end) written through the table, end_step told, the next token generated for
+        each whose known tokens are all computed."""
         for src, dst in copies:
             self.kv[dst] = dict(self.kv.get(src, {}))
-        self.done[seq] = end
-        blocks, bs, ids = self.entries(seq), self.bs, self.prefixes[seq]
-        for p in range(start, end):
-            b = blocks[p // bs]
-            self.judge(
-                "data",
-                0 <= b < self.num_blocks,
-                lambda: f"position {p} of {seq} maps to block {b} (entry {p // bs} of its row)",
-            )
-            self.kv.setdefault(b, {})[p % bs] = ids[p]
+        layout, bs = self.layout(), self.bs
+        for seq, (start, end) in spans.items():
+            self.done[seq] = end
+            blocks, ids = self.entries(seq, layout, prop), self.prefixes[seq]
+            for p in range(start, end):
+                b = blocks[p // bs]
+                self.judge(
+                    prop,
+                    0 <= b < self.num_blocks,
+                    lambda: f"position {p} of {seq} maps to block {b} (entry {p // bs} of its row)",
+                )
+                self.kv.setdefault(b, {})[p % bs] = ids[p]
         if "end_step" in self.caps:
-            self.answer("end_step", {seq: end})
-        toks = self.tokens[seq]
-        if end == len(toks):  # greedy decoding: the next token is a function of the prefix
-            self.extend(seq, [(sum(toks) * 7 + len(toks)) % VOCAB])
-        self.check_data()
+            self.answer("end_step", {seq: end for seq, (_, end) in spans.items()})
+        for seq, (_, end) in spans.items():
+            toks = self.tokens[seq]
+            if end == len(toks):  # greedy decoding: the next token is a function of the prefix
+                self.extend(seq, [(sum(toks) * 7 + len(toks)) % VOCAB])
+        self.check_data(prop)
         self.check_snapshot()
 
     def check_data(self, prop: str = "data") -> None:
-        mapped = {s: self.entries(s) for s in self.tokens}
+        layout = self.layout()
+        mapped = {s: self.entries(s, layout, prop) for s in self.tokens}
         holders = Counter(b for blocks in mapped.values() for b in set(blocks))
         if "fork" in self.caps and max(holders.values(), default=0) > 1:
             self.judge("copy_on_write", True, None)  # blocks held by two: each reads its own
@@ -182,11 +195,15 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         return snap
 
     def observed(self):
-        """What a refusal must leave as it is."""
+        """What a refusal must leave as it is (an own table, free rows and seq_tokens too)."""
         snap = self.snapshot()
         blocks = {s: list(self.answer("block_ids", s)) for s in self.tokens}
         cache = {(c["block"], c["key"]) for c in getattr(snap, "cache", None) or ()}
-        return snap, blocks, cache, self.read("num_free_blocks")
+        owned = self.table.owned
+        table = (self.layout()[1], self.read("num_free_rows")) if owned else None
+        said = getattr(snap, "seq_tokens", None)
+        said = dict(said) if isinstance(said, dict) else None  # a live dict would follow along
+        return snap, blocks, cache, self.read("num_free_blocks"), table, said
 
     def check_refusal(self, shown: str, before) -> None:
         after = self.observed()
@@ -198,6 +215,11 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         changes.append("its cache" if before[2] != after[2] else None)
         free = (before[3], after[3])
         changes.append(f"num_free_blocks {free[0]} -> {free[1]}" if free[0] != free[1] else None)
+        if before[4] != after[4]:
+            (host, rows), (host_now, rows_now) = before[4], after[4]
+            changes.append("the live block table" if host != host_now else None)
+            changes.append(f"num_free_rows {rows} -> {rows_now}" if rows != rows_now else None)
+        changes.append("its seq_tokens" if before[5] != after[5] else None)
         changes = [c for c in changes if c]
         self.judge(
             "refusal",
@@ -312,7 +334,7 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         self.extend(seq, tokens)
         self.done[seq] = used
         self.call("the table's sync", self.table.sync, seq)
-        self.compute(seq, used, h + min(chunk, len(tokens) - h))
+        self.compute({seq: (used, h + min(chunk, len(tokens) - h))})
         return seq
 
     def reserve(self, seq: str, n: int):
@@ -336,7 +358,7 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
     def grow(self, seq, n):
         grown = self.reserve(seq, n)
         if grown is not None:
-            self.compute(seq, self.done[seq], grown[1], grown[0])
+            self.compute({seq: (self.done[seq], grown[1])}, grown[0])
 
     @rule(target=released, seq=consumes(seqs), n=st.integers(1, 9))
     @_guarded(target=True)
@@ -404,7 +426,8 @@ class ConformanceMachineV2(Judging, RuleBasedStateMachine):
         self.call("the table's sync", self.table.sync, child)
         self.extend(child, self.tokens[parent])
         self.done[child] = self.done[parent]
-        mine, theirs = self.entries(child), self.entries(parent)
+        layout = self.layout()
+        mine, theirs = self.entries(child, layout), self.entries(parent, layout)
         self.judge("fork", mine == theirs, lambda: f"the child maps {mine}, the parent {theirs}")
         self.check_data("fork")
         self.check_snapshot()

@@ -11,10 +11,12 @@ resize keep every sequence's blocks); free is idempotent; each snapshot passes t
 makes of it against what the harness saw. A property that needs a capability the manager does
 not declare (fork, seq_tokens, append_decode) is reported "not applicable". A protocol v2
 manager (kvchaos_protocol = 2) is driven in v2 calls instead (kvchaos.harness.judge.
-conformance_v2: admissions from shared templates so its cache hits, growth, end_step, every
-release reason, failed steps) and judged on PROPERTIES_V2. A failure is shrunk to a short history
-of steps and printed. The same seed gives the same result. The same tests run under pytest:
-`pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a property.
+conformance_v2: admissions from shared templates so its cache hits, growth, decode batches,
+end_step, every release reason, failed steps, resize of an own table) and judged on
+PROPERTIES_V2 (with "own_table", its table rows after every call). A failure is shrunk to a
+short history of steps and printed. The same seed gives the same result. The same tests run
+under pytest: `pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a
+property.
 
 Exit codes: 0 every applicable property passed, 1 one failed, 2 bad input."""
 
