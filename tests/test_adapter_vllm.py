@@ -1,85 +1,22 @@
-"""The vLLM adapter (`--block-manager vllm`): without a supported vllm it is one line and exit 2;
-with vllm 0.33.x installed (its own venv: docs/adapters.md, the CI lane in .ci/run) vLLM's real
-KVCacheManager passes the door, conformance v2 on what the adapter declares, and a clean prefix
-scenario with its cache serving hits, never handing out its null block. Without vllm the tests
-that drive it skip (marker `vllm`)."""
+"""The vLLM adapter (`--block-manager vllm`) with vllm 0.33.x installed (its own venv:
+docs/adapters.md; the lane `.ci/adapter-lane vllm`): vLLM's real KVCacheManager passes the door,
+conformance v2 on what the adapter declares, and a clean prefix scenario with its cache serving
+hits, never handing out its null block. Without vllm these tests skip (marker `vllm`); the version
+checks are tests/test_adapter_versions.py's."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-from importlib import metadata
-
 import pytest
+from real_engines import load_adapter
 
-from kvchaos.harness.cli import main
 from kvchaos.harness.judge.user_code import validate_manager
-
-ADAPTER = "kvchaos.harness.adapters.vllm"
-
-
-def _fake_vllm(monkeypatch, version) -> None:
-    """metadata.version("vllm") answers `version` (an exception class: raised), and the adapter
-    is imported afresh."""
-    real = metadata.version
-
-    def fake(name):
-        if name != "vllm":
-            return real(name)
-        if isinstance(version, type):
-            raise version(name)
-        return version
-
-    monkeypatch.setattr(metadata, "version", fake)
-    monkeypatch.delitem(sys.modules, ADAPTER, raising=False)
-
-
-@pytest.mark.parametrize(
-    "version, said",
-    [
-        (
-            metadata.PackageNotFoundError,
-            "vllm is not installed: the vLLM adapter needs vllm 0.33.x",
-        ),
-        ("0.34.1", "vllm 0.34.1 is installed; the vLLM adapter supports vllm 0.33.x"),
-    ],
-)
-def test_without_a_supported_vllm_the_adapter_says_so_in_one_line(monkeypatch, version, said):
-    _fake_vllm(monkeypatch, version)
-    with pytest.raises(ImportError, match=said):
-        importlib.import_module(ADAPTER)
-    with pytest.raises(ValueError) as e:
-        validate_manager("vllm")
-    assert str(e.value).startswith(f"'vllm': importing {ADAPTER} raised ImportError: {said}")
-    assert "\n" not in str(e.value)
-
-
-def test_the_command_without_vllm_is_exit_2(monkeypatch, tmp_path, capsys):
-    _fake_vllm(monkeypatch, metadata.PackageNotFoundError)
-    rc = main(
-        ["run", "baseline-clean", "--block-manager", "vllm", "--in-process"]
-        + ["--report-dir", str(tmp_path / "r")]
-    )
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "vllm is not installed" in err, err
-
-
-# -- with vllm 0.33.x installed ------------------------------------------------------------------
-def _adapter():
-    try:
-        return importlib.import_module(ADAPTER)
-    except ImportError as e:
-        if os.environ.get("KVCHAOS_VLLM_LANE"):  # .ci/adapter-lane vllm: vllm must load there
-            raise
-        pytest.skip(f"the vLLM adapter cannot load here: {e}")
 
 
 @pytest.mark.vllm
 def test_vllms_manager_passes_the_door_and_conformance_on_what_it_declares():
     from kvchaos.harness.tools.conformance import run_conformance
 
-    vllm = _adapter()
+    vllm = load_adapter("vllm")
     assert validate_manager("vllm") is vllm.VLLMManager
     results = {r.name: r.status for r in run_conformance(vllm.VLLMManager, examples=60)}
     declared = ("hit_over_cap", "cache_consistent", "seq_tokens", "reserved_never_handed_out")
@@ -92,7 +29,7 @@ def test_vllms_manager_runs_a_prefix_scenario_with_hits_and_no_null_block():
     from kvchaos.harness.judge.runner import run_scenario
     from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
 
-    vllm = _adapter()
+    vllm = load_adapter("vllm")
     sc = load_scenario(BUILTIN_DIR / "prefix-samples-clean.toml", "cpu")
     r = run_scenario(sc, 0, "cpu", None, block_manager=vllm.VLLMManager)
     assert r.verdict == "PASS", r.summary
@@ -106,7 +43,7 @@ def test_vllms_manager_runs_a_prefix_scenario_with_hits_and_no_null_block():
 
 @pytest.mark.vllm
 def test_a_failed_step_leaves_no_key_over_slots_it_never_wrote():
-    vllm = _adapter()
+    vllm = load_adapter("vllm")
     m = vllm.VLLMManager(16, 2)
     assert m.admit("a", [1, 2, 3, 4, 5], 5, 4) == 0
     m.end_step({"a": 5})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_model import tiny_model
 
 from kvchaos.engine import (
     CacheConfig,
@@ -23,16 +24,7 @@ from kvchaos.engine.config import blocks_in_budget, kv_bytes_per_block
 from kvchaos.harness.judge.oracle import Oracle
 
 VOCAB = 61
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    vocab_size=VOCAB,
-    max_position=128,
-)
+MODEL = tiny_model(VOCAB)
 BS, WIDTH, POOL = 4, 6, 40  # a table row holds 24 tokens
 
 

@@ -15,20 +15,12 @@ from collections import defaultdict
 
 import pytest
 import torch
+from tiny_model import tiny_model
 
-from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig, State
+from kvchaos.engine import CacheConfig, Engine, EngineConfig, State
 from kvchaos.harness.judge.oracle import Oracle
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    vocab_size=97,
-    max_position=256,
-)
+MODEL = tiny_model(97, 256)
 
 
 def make_engine(

@@ -8,21 +8,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from tiny_model import tiny_model
 
-from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig
+from kvchaos.engine import CacheConfig, Engine, EngineConfig
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 
 BS = 4
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    vocab_size=61,
-    max_position=128,
-)
+MODEL = tiny_model()
 
 
 def config(caching: bool, num_blocks: int = 40) -> EngineConfig:

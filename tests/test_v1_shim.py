@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig
+from kvchaos.engine import CacheConfig, Engine, EngineConfig
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary, ManagerError
 from kvchaos.engine.compat import V1Shim, as_v2
@@ -26,17 +26,9 @@ from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
 sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
 
 import managers  # noqa: E402
+from tiny_model import tiny_model  # noqa: E402
 
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    vocab_size=61,
-    max_position=128,
-)
+MODEL = tiny_model()
 
 
 def make_engine(manager=None, num_blocks=40) -> Engine:

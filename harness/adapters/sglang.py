@@ -10,21 +10,13 @@ is SGLang's padding page, never handed out (reserved). The engine builds the tab
 from __future__ import annotations
 
 from hashlib import blake2b
-from importlib import metadata
 
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.protocols import Snapshot
+from kvchaos.harness.adapters import require
 
-SUPPORTED = "0.5.5"  # the RadixCache / allocator API it calls changes between releases
-try:
-    VERSION = metadata.version("sglang")
-except metadata.PackageNotFoundError:
-    raise ImportError(
-        f"sglang is not installed: the SGLang adapter needs sglang {SUPPORTED}.x (pip install "
-        "--no-deps sglang==0.5.5.post3 and its pure-Python dependencies: docs/adapters.md)"
-    ) from None
-if VERSION != SUPPORTED and not VERSION.startswith(SUPPORTED + "."):
-    raise ImportError(f"sglang {VERSION} is installed; the SGLang adapter supports {SUPPORTED}.x")
+# the RadixCache / allocator API it calls changes between releases
+VERSION = require("sglang", "0.5.5", "sglang==0.5.5.post3", "SGLang")
 
 try:  # after the version check; a broken install is one line too (ImportError, as above)
     import torch

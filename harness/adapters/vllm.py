@@ -7,21 +7,12 @@ null block (reserved). Install: docs/adapters.md (vllm --no-deps on a CPU torch)
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.protocols import Snapshot
+from kvchaos.harness.adapters import require
 
-SUPPORTED = "0.33."  # vLLM's KVCacheManager API changes between releases
-try:
-    VERSION = metadata.version("vllm")
-except metadata.PackageNotFoundError:
-    raise ImportError(
-        f"vllm is not installed: the vLLM adapter needs vllm {SUPPORTED}x (pip install --no-deps "
-        "vllm==0.33.0 and its pure-Python dependencies: docs/adapters.md)"
-    ) from None
-if not VERSION.startswith(SUPPORTED):
-    raise ImportError(f"vllm {VERSION} is installed; the vLLM adapter supports vllm {SUPPORTED}x")
+# vLLM's KVCacheManager API changes between releases
+VERSION = require("vllm", "0.33", "vllm==0.33.0", "vLLM")
 
 try:  # after the version check; a broken install is one line too (ImportError, as above)
     import torch
