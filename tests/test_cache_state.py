@@ -117,28 +117,32 @@ def test_a_cache_state_out_of_shape_is_a_finding_against_the_manager_not_a_harne
 
 
 def test_a_cache_entry_is_rechecked_when_it_differs_from_the_one_that_passed():
-    from kvchaos.harness.judge.snapshots import _cache_problem, cache_delta
+    from kvchaos.harness.judge.snapshots import cache_delta
 
     good = {"block": 3, "key": "k", "parent": None, "tokens": [1, 2]}
-    _, known = cache_delta({}, [good])
-    assert _cache_problem([dict(good)], 8, known) is None
+    _, known, wrong = cache_delta({}, [good], 8)
+    assert wrong is None
+    assert cache_delta(known, [dict(good)], 8)[2] is None
     changed = {**good, "tokens": [1, -2]}  # same (block, key), now out of shape
-    assert "cache (optional)" in _cache_problem([changed], 8, known)
-    assert "cache (optional)" in _cache_problem([None], 8, known)
+    assert "cache (optional)" in cache_delta(known, [changed], 8)[2]
+    assert "cache (optional)" in cache_delta(known, [None], 8)[2]
+    assert "cache (optional)" in cache_delta(known, [{**good, "block": 8}], 8)[2]  # past the pool
+    assert "twice" in cache_delta(known, [good, dict(good)], 8)[2]
+    assert cache_delta(known, [good, dict(good)], 8)[:2] == (None, None)
 
 
 def test_the_cache_delta_keeps_its_own_copy_and_records_a_change_under_one_key():
     from kvchaos.harness.judge.snapshots import apply_cache, cache_delta
 
     entry = {"block": 3, "key": "k", "parent": None, "tokens": [1, 2]}
-    first, known = cache_delta({}, [entry])
+    first, known, _ = cache_delta({}, [entry])
     entry["tokens"][1] = 9  # the manager rewrites its entry in place
-    second, known = cache_delta(known, [entry])
+    second, known, _ = cache_delta(known, [entry])
     assert first["cache_added"][0]["tokens"] == [1, 2]
     assert second["cache_added"] == [entry] and second["cache_removed"] == []
     state = apply_cache(apply_cache({}, first), second)
     assert state[(3, "k")]["tokens"] == [1, 9]
-    third, _ = cache_delta(known, [dict(entry, tokens=[1, 9])])
+    third, _, _ = cache_delta(known, [dict(entry, tokens=[1, 9])])
     assert third["cache_added"] == [] and third["cache_n"] == 1
 
 

@@ -51,6 +51,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+import orjson
+
 from kvchaos.engine.errors import KVChaosError
 
 
@@ -69,10 +71,9 @@ class History:
         self._hash = hashlib.sha256()
 
     def append(self, event: dict) -> None:
-        line, stable = _lines(event)
-        self._hash.update(stable.encode())
+        self._hash.update(_stable_line(event))
         if self._f:
-            self._f.write(line + "\n")
+            self._f.write(_encode(event) + "\n")
         if self.events is not None:
             self.events.append(event)
 
@@ -182,26 +183,32 @@ _encode = json.JSONEncoder(
 ).encode  # one encoder: json.dumps with options builds one per call
 
 
-def _lines(event: dict) -> tuple[str, str]:
-    """An event's line and its stable line, encoding the bulk once: most events hold nothing
-    unstable, and a step's unstable fields are top-level numbers, written after the rest."""
+def _stable_part(event: dict) -> dict:
+    """The event without what measures time or the machine; the event itself when it has none
+    (most events; a step's unstable fields are top-level)."""
     if UNSTABLE_KEYS.isdisjoint(event):
         if event.get("e") in FLAT_STABLE or not any(
             isinstance(v, dict) and _has_unstable(v) for v in event.values()
         ):
-            line = _encode(event)
-            return line, line
+            return event
     elif not any(isinstance(v, dict) for k, v in event.items() if k in UNSTABLE_KEYS):
         rest = {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
-        if rest and not _has_unstable(rest):
-            stable = _encode(rest)
-            extra = _encode({k: v for k, v in event.items() if k in UNSTABLE_KEYS})
-            return f"{stable[:-1]},{extra[1:]}", stable
-    return _encode(event), _encode(_stable(event))
+        if not _has_unstable(rest):
+            return rest
+    return _stable(event)
 
 
 def _stable_line(event: dict) -> bytes:
-    return _encode(_stable(event)).encode()
+    """What the digest hashes of an event: its stable part, canonically encoded. orjson, ten times
+    the standard encoder's speed on a run's events, so the digest costs little; the same bytes for
+    an event in memory and for it read back from its history line (NaN reads back as NaN and
+    encodes as null either way). What orjson refuses (an int past 64 bits, a lone surrogate) takes
+    the standard encoder, as deterministically."""
+    stable = _stable_part(event)
+    try:
+        return orjson.dumps(stable, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return _encode(stable).encode()
 
 
 def deterministic_digest(events: list[dict]) -> str:

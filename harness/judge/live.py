@@ -20,7 +20,7 @@ from kvchaos.harness.judge.kv_record import RankRecords
 from kvchaos.harness.judge.oracle import Oracle
 from kvchaos.harness.judge.reference import cross_check
 from kvchaos.harness.judge.scenario import Scenario
-from kvchaos.harness.judge.snapshots import cache_delta, problem
+from kvchaos.harness.judge.snapshots import judge
 from kvchaos.harness.judge.telemetry import Telemetry
 from kvchaos.harness.judge.workload import build_plan
 
@@ -82,8 +82,8 @@ class LiveRun:
         self.cross_checked = False  # the shared model code against the reference, once a run
         self.known_diverged: set[str] = set()  # reported by a live check: not collected again
         self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
-        self.cache_state: dict = {}  # the prefix cache as of the latest snapshot event
-        self.passed: dict = {}  # the fields of the latest snapshot that passed (problem_seen)
+        # the fields of the latest snapshot that passed, its cache as cache_delta keeps it (judge)
+        self.passed: dict = {}
         self.observe_s = 0.0  # the harness's own time inside the step now running (snapshots)
         self.engine.record_writes = observe
         self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
@@ -93,17 +93,13 @@ class LiveRun:
         e = self.engine
         self.snapped = step
         snap = e.snapshot()
-        wrong = problem(snap, e, self.cfg.cache.num_blocks, self.passed)
+        wrong, d, cache = judge(snap, e, self.cfg.cache.num_blocks, self.passed)
         if wrong:  # the manager's word fails its own shape or the harness's record: a finding
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        d = snap.to_dict()
-        self.passed = dict(d)
-        if "cache" in d:
-            delta, self.cache_state = cache_delta(self.cache_state, d.pop("cache"))
-            d.update(delta)
-            self.passed["cache"] = self.cache_state
+        # a cache is diffed against the last one shown (a snapshot without one changes nothing)
+        self.passed = {**d, "cache": self.passed.get("cache") if cache is None else cache}
         self.h.append({"e": "snapshot", "step": step, **d, "live": [s.id for s in e.running]})
 
     def _check_writes(self, step: int) -> None:

@@ -9,27 +9,52 @@ from itertools import chain
 
 
 def problem(snap, engine, num_blocks: int, passed: dict | None = None) -> str | None:
-    """What is wrong with a snapshot, in one line, or None. passed: see problem_seen."""
+    """What is wrong with a snapshot, in one line, or None. passed: see judge."""
+    return judge(snap, engine, num_blocks, passed)[0]
+
+
+def judge(snap, engine, num_blocks: int, passed: dict | None = None):
+    """judge_seen() against an engine: what its manager says and what it computed."""
     computed = [(s.id, s.num_computed, len(s.tokens)) for s in engine.running]
     free = engine.bm.num_free_blocks
-    return problem_seen(snap, num_blocks, free, engine.bm.block_size, computed, passed)
+    return judge_seen(snap, num_blocks, free, engine.bm.block_size, computed, passed)
 
 
 def problem_seen(
     snap, num_blocks: int, free_count: int, block_size: int, computed, passed=None
 ) -> str | None:
-    """problem() against what a harness saw: the pool it configured, the manager's free count,
-    and for each live sequence (id, tokens computed, tokens it has). passed: the fields of the
-    last snapshot that passed (its cache as cache_delta keeps it): a field equal to its value
-    there is not checked for shape again (most of a snapshot is as it was a step before), unless
-    it is the very same object, which its manager may have changed since. What the harness saw
-    is checked every time."""
+    """What is wrong with a snapshot against what a harness saw, or None: see judge_seen."""
+    return judge_seen(snap, num_blocks, free_count, block_size, computed, passed)[0]
+
+
+def judge_seen(snap, num_blocks: int, free_count: int, block_size: int, computed, passed=None):
+    """(problem, fields, cache): a snapshot checked against what a harness saw: the pool it
+    configured, the manager's free count, and for each live sequence (id, tokens computed,
+    tokens it has). passed: the fields of the last snapshot that passed (its cache as
+    cache_delta keeps it): a field equal to its value there is not checked for shape again
+    (most of a snapshot is as it was a step before), unless it is the very same object, which
+    its manager may have changed since. What the harness saw is checked every time.
+    fields: the snapshot's, its cache (when it shows one) as cache_delta's change since passed;
+    cache: the cache state to diff the next snapshot against (None without a cache)."""
     try:
         d = snap.to_dict()
     except Exception as e:  # not a Snapshot at all
-        return f"snapshot() returned {type(snap).__name__}, not a Snapshot ({e})"
+        return f"snapshot() returned {type(snap).__name__}, not a Snapshot ({e})", None, None
     passed = passed or {}
+    cache = d.pop("cache", None)
+    delta, state, wrong = (
+        cache_delta(passed.get("cache") or {}, cache, num_blocks)
+        if cache is not None
+        else ({}, None, None)
+    )
+    wrong = _problem(d, num_blocks, free_count, block_size, computed, passed) or wrong
+    if wrong:
+        return wrong, None, None
+    d.update(delta)
+    return None, d, state
 
+
+def _problem(d: dict, num_blocks: int, free_count: int, block_size: int, computed, passed):
     def same(field: str) -> bool:
         now, was = d.get(field), passed.get(field)
         return now is not was and now == was
@@ -71,9 +96,6 @@ def problem_seen(
     reserved = d.get("reserved")
     if reserved is not None and not same("reserved") and not _ints(reserved, 0, n):
         return "reserved (optional) is not a list of block ids in the pool"
-    wrong = _cache_problem(d.get("cache"), n, passed.get("cache") or {})
-    if wrong:
-        return wrong
     if free_count != len(free):
         return f"num_free_blocks says {free_count}, the snapshot lists {len(free)} free blocks"
     for seq, done, total in computed:  # every token computed has a slot the snapshot lists
@@ -97,30 +119,14 @@ _CACHE_SHAPE = (
 )
 
 
-def _cache_problem(cache, n: int, known: dict) -> str | None:
-    """The optional cache list: entries {block, key, parent, tokens}, one per (block, key). One
-    equal to the entry `known` holds for its (block, key) passed before: a cache of hundreds of
-    entries, most unchanged from step to step, costs a comparison each."""
-    if cache is None or _unchanged(known, cache):
-        return None
-    if not isinstance(cache, list):
-        return _CACHE_SHAPE
-    try:  # an entry equal to the known one for its (block, key) passed before
-        fresh = [e for e in cache if type(e) is not dict or known.get((e["block"], e["key"])) != e]
-    except (KeyError, TypeError):  # one without a block or key, or unhashable: check them all
-        fresh = cache
-    if not all(
+def _entry_ok(e, n) -> bool:
+    return (
         isinstance(e, dict)
         and _ints([e.get("block")], 0, n)
         and isinstance(e.get("key"), str)
         and (e.get("parent") is None or isinstance(e["parent"], str))
         and (e.get("tokens") is None or _ints(e["tokens"], 0, None))
-        for e in fresh
-    ):
-        return _CACHE_SHAPE
-    if len({(e["block"], e["key"]) for e in cache}) != len(cache):
-        return "cache (optional) lists an entry twice"
-    return None
+    )
 
 
 def _unchanged(known: dict, cache) -> bool:
@@ -137,23 +143,36 @@ def _ints(xs, lo: int, hi: int | None) -> bool:
     return set(map(type, xs)) == {int} and min(xs) >= lo and (hi is None or max(xs) < hi)
 
 
-def cache_delta(prev: dict, cache: list[dict]) -> tuple[dict, dict]:
+def cache_delta(prev: dict, cache: list[dict], n: int | None = None):
     """A snapshot's cache as a history event holds it: what changed since the previous snapshot
     event (a cache of hundreds of entries, whole in every step's event, would swamp the history).
-    Returns (the event's fields, the state to diff the next one against)."""
+    Returns (the event's fields, the state to diff the next one against, the problem: the shape
+    of an entry new or changed since prev ({block, key, parent, tokens}, its block in [0, n)), or
+    an entry listed twice; the fields and state are None then). An entry equal to the one prev
+    holds for its (block, key) passed before: a cache of hundreds of entries, most unchanged
+    from step to step, costs a comparison each."""
     if _unchanged(prev, cache):
-        return {"cache_added": [], "cache_removed": [], "cache_n": len(prev)}, prev
+        return {"cache_added": [], "cache_removed": [], "cache_n": len(prev)}, prev, None
+    if not isinstance(cache, list):
+        return None, None, _CACHE_SHAPE
     now, added = {}, []
     for e in cache:
-        k = (e["block"], e["key"])
-        kept = prev.get(k)
-        if kept is None or kept != e:  # new, or changed under its key: the harness's own copy
-            tokens = e.get("tokens")
+        try:
+            k = (e["block"], e["key"])
+            kept = prev.get(k)
+        except (KeyError, TypeError):  # not a dict, one without a block or key, unhashable
+            return None, None, _CACHE_SHAPE
+        if kept is None or type(e) is not dict or kept != e:  # new, or changed under its key
+            if not _entry_ok(e, n):
+                return None, None, _CACHE_SHAPE
+            tokens = e.get("tokens")  # the harness's own copy
             kept = {**e, "tokens": None if tokens is None else list(tokens)}
             added.append(kept)
+        if k in now:
+            return None, None, "cache (optional) lists an entry twice"
         now[k] = kept
     removed = [list(k) for k in prev if k not in now]
-    return {"cache_added": added, "cache_removed": removed, "cache_n": len(now)}, now
+    return {"cache_added": added, "cache_removed": removed, "cache_n": len(now)}, now, None
 
 
 def apply_cache(state: dict, event: dict) -> dict:
