@@ -335,10 +335,16 @@ class LiveRun:
     def _check(self, queue: list, live_from: int | None = None) -> None:
         """Check queued requests in padded passes and record them; those from live_from on are
         live requests checked so far: only the diverged are recorded, then checked no more."""
-        if queue and not self.cross_checked:
-            self._cross_check(queue[0])
+        # the cross-check takes the request with the most rows (the first of them)
+        first = (
+            max(queue, key=lambda q: q[2][3].shape[0]) if queue and not self.cross_checked else None
+        )
         live = {q[2][0] for q in queue[live_from:]} if live_from is not None else set()
-        results = self.oracle.check_many([q[2] for q in queue], keep=live)
+        results = self.oracle.check_many(
+            [q[2] for q in queue], keep=live, capture=first and first[2][0]
+        )
+        if first and self.oracle.captured:  # (none: no pass ran for it; the next check tries)
+            self._cross_check(first)
         for i, ((step, steps, _, mismatch), res) in enumerate(zip(queue, results)):
             if live_from is not None and i >= live_from:
                 if res.first_divergence is None and mismatch is None:
@@ -357,11 +363,11 @@ class LiveRun:
 
     def _cross_check(self, item) -> None:
         """The model code the oracle shares with the engine, against an independent float64
-        reference, on the first request checked."""
+        reference, on the logits the oracle computed for a request of its first check."""
         self.cross_checked = True
         step, _, (req, tokens, prompt_len, rows), _ = item
-        fed = tokens[: prompt_len + rows.shape[0] - 1]
-        res = cross_check(self.oracle, fed)
+        start, logits = self.oracle.captured
+        res = cross_check(self.oracle, tokens[: start + logits.shape[0]], start, logits)
         self.h.append({"e": "reference", "step": step, "req": req, **res})
 
     # -- the loop ---------------------------------------------------------------------

@@ -97,12 +97,19 @@ class Oracle:
 
     @torch.inference_mode()
     def check_many(
-        self, items: list[tuple[str, list[int], int, torch.Tensor]], keep: set[str] = frozenset()
+        self,
+        items: list[tuple[str, list[int], int, torch.Tensor]],
+        keep: set[str] = frozenset(),
+        capture: str | None = None,
     ) -> list[OracleResult]:
         """check() for several requests, in padded passes over requests of similar length (the tiny
         reference model's cost is mostly per op, so one pass for many requests is far cheaper).
         keep: live requests, checked again later on more rows: their cache is kept, so the next
-        check feeds only the tokens since (a check without keep is the request's last)."""
+        check feeds only the tokens since (a check without keep is the request's last).
+        capture: a request whose logits at every position fed here are kept in self.captured, as
+        (first position, logits [positions, vocab]): what the shared model code is cross-checked
+        on (from its pass: no pass of its own)."""
+        self.captured = None
         out = [OracleResult(req, 0, 0.0, 0.0, None) for req, *_ in items]
         feeds = []  # (new tokens to feed, item index, past or None)
         for i, (req, tokens, prompt_len, rows) in enumerate(items):
@@ -124,11 +131,11 @@ class Oracle:
         for m, i, past in sorted(feeds, key=lambda f: (f[0], f[1])):
             padded, own = m * (len(group) + 1), sum(g[0] for g in group) + m
             if group and padded > PAD_SLACK * own and padded - own > PAD_FREE:
-                self._check_group(items, group, out, keep)
+                self._check_group(items, group, out, keep, capture)
                 group = []
             group.append((m, i, past))
         if group:
-            self._check_group(items, group, out, keep)
+            self._check_group(items, group, out, keep, capture)
         return out
 
     def hidden(self, tokens: list[int]) -> torch.Tensor:
@@ -176,7 +183,7 @@ class Oracle:
         hidden = model.forward(batch.reshape(-1).to(dev), positions.reshape(-1).to(dev), attend)
         return hidden.view(r, m, -1), kv[:, :, :, :, p_max:]  # [layers, 2, R, Hkv, M, D]
 
-    def _check_group(self, items, group: list, out: list[OracleResult], keep) -> None:
+    def _check_group(self, items, group: list, out: list[OracleResult], keep, capture) -> None:
         model = self.model
         r, m = len(group), max(1, group[-1][0])  # sorted: the last feeds the most
         lens = [len(p.fed) if p else 0 for _, _, p in group]
@@ -196,6 +203,9 @@ class Oracle:
             lo = max(prompt_len - 1, lens[row])  # first position whose row is new
             spans.append((lo - lens[row], lo - lens[row] + max(0, lens[row] + n - lo)))
         refs = model.logits(torch.cat([hidden[row, a:b] for row, (a, b) in enumerate(spans)]))
+        for row, (n, i, _) in enumerate(group):
+            if items[i][0] == capture:  # every position it fed, prompt included
+                self.captured = (lens[row], model.logits(hidden[row, :n]))
         # rows before first_row were compared by an earlier check of the request
         first_rows = [max(0, lens[row] - items[i][2] + 1) for row, (_, i, _) in enumerate(group)]
         got = [items[i][3][f:].float() for (_, i, _), f in zip(group, first_rows)]

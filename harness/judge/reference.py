@@ -53,18 +53,17 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     return _norm(x, f64(model.final_norm), cfg.rms_eps) @ f64(model.lm_head).T
 
 
-def cross_check(oracle, tokens: list[int]) -> dict:
-    """The shared forward (the oracle's path) against the reference on one token sequence."""
-    model, atol, rtol = oracle.model, oracle.atol, oracle.rtol
-    with torch.inference_mode():
-        shared = model.logits(oracle.hidden(tokens)).to("cpu", torch.float64)
-    ref = reference_logits(model, tokens)
-    err = (shared - ref).abs().amax(-1)
+def cross_check(oracle, tokens: list[int], start: int, logits: torch.Tensor) -> dict:
+    """The shared forward against the reference on one token sequence: logits [positions, vocab],
+    the oracle's after each prefix tokens[: start + 1 + j], taken from its own pass."""
+    atol, rtol = oracle.atol, oracle.rtol
+    ref = reference_logits(oracle.model, tokens)[start : start + logits.shape[0]]
+    err = (logits.to("cpu", torch.float64) - ref).abs().amax(-1)
     tol = atol + rtol * ref.abs().amax(-1)
     bad = torch.nonzero(~(err <= tol)).flatten()
     return {
-        "checked": len(tokens),
+        "checked": logits.shape[0],
         "max_abs_err": float(err.max()),
         "agrees": not bad.numel(),
-        "first_disagreement": int(bad[0]) if bad.numel() else None,
+        "first_disagreement": start + int(bad[0]) if bad.numel() else None,
     }
