@@ -52,6 +52,7 @@ class KVRecord:
         self.taint: list[str | None] = [None] * n
         self.version = [0] * num_blocks
         self.verified: dict[str, list[tuple[int, int, int, bool]]] = {}
+        self.whole: dict[str, tuple[list[int], list[int]]] = {}  # reader -> whole entries read
         self.tainted: dict[str, str] = {}  # reader -> origin of the wrong read it made or took
         self._now: tuple[int, dict[str, list[int]]] = (-1, {})  # this step's writes, by writer
         self.reads = 0  # sequence reads judged
@@ -64,6 +65,7 @@ class KVRecord:
             {k: (v.copy() if isinstance(v, (list, dict)) else v) for k, v in vars(self).items()}
         )
         new.verified = {r: list(c) for r, c in self.verified.items()}
+        new.whole = dict(self.whole)  # its lists are replaced, never changed
         new._now = (-1, {})
         return new
 
@@ -120,13 +122,24 @@ class KVRecord:
         """seq attends to positions [0, n_ctx) through blocks (its row's entries); digests are
         its identities. Returns one dict per block read wrongly (its first failing slot says the
         kind: never written, written for other tokens, or poisoned)."""
-        bs = self.block_size
+        bs, version = self.block_size, self.version
         done = self.verified.get(seq)
         if done is None:
             done = self.verified[seq] = []
         out = []
         self.reads += 1
-        for i in range(-(-n_ctx // bs)):
+        # Entries read whole last time, the same blocks at the same versions: checked at C speed
+        # (a decode step's reader re-reads them all), then the loop starts after them.
+        whole, k = n_ctx // bs, 0
+        last = self.whole.get(seq)
+        if last is not None:
+            k = min(len(last[0]), whole)
+            if (
+                blocks[:k] != last[0][:k]
+                or list(map(version.__getitem__, last[0][:k])) != last[1][:k]
+            ):
+                k = 0
+        for i in range(k, -(-n_ctx // bs)):
             b, cnt, v = blocks[i], min(bs, n_ctx - i * bs), self.version[blocks[i]]
             was = done[i] if i < len(done) else None
             if was is not None and was[0] == b and was[1] == v and was[2] >= cnt:
@@ -138,6 +151,8 @@ class KVRecord:
                 done[i] = (b, v, cnt, not bad)
             if bad and (was is None or was[0] != b or was[3]):
                 out.append(self._failed(seq, digests, i, b, bad, step))
+        if last is None or k < whole or len(last[0]) != whole:  # as verified (before any taint)
+            self.whole[seq] = (list(blocks[:whole]), [done[i][1] for i in range(whole)])
         return out
 
     def _verify(self, seq: str, digests, b: int, p0: int, cnt: int) -> list[int]:
@@ -223,7 +238,7 @@ class RankRecords:
         ids, chains, out = self.ids, self.ids.chains, []
         for r, rec in sorted(self.records.items()):
             reads, writes = pending.get(r, pending[0])
-            rec.write_all(writes, step, chains, lambda s, p: ids.upto(s, tokens_of(s), p + 1))
+            rec.write_all(writes, step, chains, lambda s, p: ids.upto(s, t := tokens_of(s), len(t)))
             for seq, n, blocks in reads:
                 d = chains.get(seq)
                 if d is None or len(d) < n:
