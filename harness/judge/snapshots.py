@@ -129,11 +129,6 @@ def _entry_ok(e, n) -> bool:
     )
 
 
-def _unchanged(known: dict, cache) -> bool:
-    """The cache is, entry for entry and in order, the one known (a step that keyed nothing)."""
-    return isinstance(cache, list) and len(cache) == len(known) and list(known.values()) == cache
-
-
 def _ints(xs, lo: int, hi: int | None) -> bool:
     """A list of ints (bools are not) in [lo, hi): checked at C speed, every step's table."""
     if not isinstance(xs, list):
@@ -151,12 +146,17 @@ def cache_delta(prev: dict, cache: list[dict], n: int | None = None):
     an entry listed twice; the fields and state are None then). An entry equal to the one prev
     holds for its (block, key) passed before: a cache of hundreds of entries, most unchanged
     from step to step, costs a comparison each."""
-    if _unchanged(prev, cache):
-        return {"cache_added": [], "cache_removed": [], "cache_n": len(prev)}, prev, None
     if not isinstance(cache, list):
         return None, None, _CACHE_SHAPE
-    now, added = {}, []
-    for e in cache:
+    known = list(prev.values())
+    if cache[: len(known)] == known:  # as before, entry for entry (a step that keyed nothing)
+        if len(cache) == len(known):
+            return {"cache_added": [], "cache_removed": [], "cache_n": len(prev)}, prev, None
+        now, fresh = dict(prev), cache[len(known) :]  # ... and new entries after them
+    else:
+        now, fresh = {}, cache
+    added = []
+    for e in fresh:
         try:
             k = (e["block"], e["key"])
             kept = prev.get(k)
@@ -171,7 +171,7 @@ def cache_delta(prev: dict, cache: list[dict], n: int | None = None):
         if k in now:
             return None, None, "cache (optional) lists an entry twice"
         now[k] = kept
-    removed = [list(k) for k in prev if k not in now]
+    removed = [list(k) for k in prev if k not in now] if fresh is cache else []
     return {"cache_added": added, "cache_removed": removed, "cache_n": len(now)}, now, None
 
 
