@@ -213,7 +213,7 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
     monkeypatch.setattr(LiveRun, "snapshot", real)
     monkeypatch.setattr(
         "kvchaos.harness.judge.oracle.Oracle.check_many",
-        lambda self, items, keep=(): (_ for _ in ()).throw(KeyboardInterrupt),
+        lambda self, items, **kw: (_ for _ in ()).throw(KeyboardInterrupt),
     )
     r = run_scenario(tiny, 0, report_dir=tmp_path / "interrupted")
     res = results_of(r)

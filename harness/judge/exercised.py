@@ -15,16 +15,21 @@ def exercised(events: list[dict]) -> dict:
     crossings = row_reuses = 0
     seen_blocks: dict[str, int] = {}
     row_owner: dict[int, str] = {}
+    last_blocks = last_rows = None
     for e in events:
         if e.get("e") != "snapshot":
             continue
-        for seq, blocks in e["seq_blocks"].items():
-            crossings += max(0, len(blocks) - seen_blocks.get(seq, 0))
-            seen_blocks[seq] = len(blocks)
-        for seq, row in e["seq_rows"].items():
-            if row_owner.get(row, seq) != seq:
-                row_reuses += 1
-            row_owner[row] = seq
+        if e["seq_blocks"] is not last_blocks:  # not the very object counted before
+            last_blocks = e["seq_blocks"]
+            for seq, blocks in last_blocks.items():
+                crossings += max(0, len(blocks) - seen_blocks.get(seq, 0))
+                seen_blocks[seq] = len(blocks)
+        if e["seq_rows"] is not last_rows:
+            last_rows = e["seq_rows"]
+            for seq, row in last_rows.items():
+                if row_owner.get(row, seq) != seq:
+                    row_reuses += 1
+                row_owner[row] = seq
     forks = sum(1 for e in events if e.get("e") == "submit" and e.get("parent"))
     paths = {
         "appends": calls.get("append", 0) + calls.get("append_decode", 0),

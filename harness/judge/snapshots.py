@@ -56,8 +56,13 @@ def judge_seen(snap, num_blocks: int, free_count: int, block_size: int, computed
 
 def _problem(d: dict, num_blocks: int, free_count: int, block_size: int, computed, passed):
     def same(field: str) -> bool:
+        """Equal to the field that passed: the event takes that very object (a history's
+        unchanged fields are shared, and checkers skip what is the same object as before)."""
         now, was = d.get(field), passed.get(field)
-        return now is not was and now == was
+        if now is not was and now == was:
+            d[field] = was
+            return True
+        return False
 
     n, free, refs = d.get("num_blocks"), d.get("free"), d.get("ref_counts")
     if n != num_blocks:
