@@ -39,6 +39,26 @@ def test_a_true_cache_has_no_problem_and_is_judged_once():
     assert w.check(rec, cache, 3) == []  # told once
 
 
+def test_an_unchanged_cache_is_judged_again_only_where_a_cached_block_was_written():
+    """With the judge's state object unchanged, the watch looks again only at cached blocks
+    whose version moved: a write into one is caught, a write elsewhere costs nothing."""
+    from kvchaos.harness.judge.snapshots import cache_delta
+
+    rec, w = written({"a": (A, [0, 1])}), CacheWatch(BS)
+    cache = [entry(0, "k0", None, [5, 6]), entry(1, "k1", "k0", [7, 8])]
+    _, state, _ = cache_delta({}, cache)
+    assert w.check(rec, cache, 1, state) == []
+    rec.write("b", 0, 9, b"x" * 8, 6, 2)  # block 3: not cached
+    assert w.check(rec, cache, 2, state) == [] and not rec.bumped
+    rec.write("b", 0, 9, b"x" * 8, 2, 3)  # block 1: cached, its first slot now b's
+    (ev,) = w.check(rec, cache, 3, state)
+    assert (ev["block"], ev["problem"]) == (1, "tokens")
+    dup = [*cache, entry(1, "k9", None, [7, 8])]  # a block under two keys: always looked at
+    _, state2, _ = cache_delta(state, dup)
+    w.check(rec, dup, 4, state2)
+    assert w.blocks is None
+
+
 def test_each_content_problem_is_named():
     rec = written({"a": (A, [0, 1]), "b": ([1, 2], [2]), "c": ([3, 7, 8], [4, 5])})
     cases = {

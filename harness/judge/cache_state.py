@@ -33,16 +33,26 @@ class CacheWatch:
         self.told: set[tuple[int, str]] = set()  # (block, key) of entries found wrong
         self.untold = 0  # wrong entries past MAX_TOLD: counted, not written one by one
         self.hits: list[tuple[int, str, list[int], list[int]]] = []  # step, req, tokens, blocks
+        self.state = None  # the judge's cache state at the last full look, and its blocks
+        self.blocks: set[int] | None = None
 
     def hit(self, step: int, req: str, tokens: list[int], blocks: list[int]) -> None:
         self.hits.append((step, req, list(tokens[: len(blocks) * self.bs]), list(blocks)))
 
-    def check(self, rec: KVRecord, cache: list[dict] | None, step: int) -> list[dict]:
+    def check(self, rec: KVRecord, cache: list[dict] | None, step: int, state=None) -> list[dict]:
         """The cache_mismatch and hit_mismatch events of this step's snapshot (cache None: the
-        manager shows no cache state; nothing is judged)."""
+        manager shows no cache state; nothing is judged). state: the cache as the snapshot
+        judge keeps it, the very object while no entry changed."""
         hits, self.hits = [h for h in self.hits if h[0] == step], []
         if cache is None:
             return []
+        bumped, rec.bumped = rec.bumped, set()
+        if not hits and state is not None and state is self.state and self.blocks is not None:
+            if self.blocks.isdisjoint(bumped):  # every entry as judged last time: nothing new
+                return []
+        self.state = state
+        blocks = {e["block"] for e in cache}
+        self.blocks = blocks if len(blocks) == len(cache) else None  # a block twice: scan all
         judged, version = self.judged, rec.version
         fresh = [e for e in cache if judged.get(e["block"]) != (e["key"], version[e["block"]])]
         if not fresh and not hits:

@@ -51,6 +51,7 @@ class KVRecord:
         self.step = [-1] * n
         self.taint: list[str | None] = [None] * n
         self.version = [0] * num_blocks
+        self.bumped: set[int] = set()  # blocks whose version moved since a reader took the set
         self.verified: dict[str, list[tuple[int, int, int, bool]]] = {}
         self.whole: dict[str, tuple[list[int], list[int]]] = {}  # reader -> whole entries read
         self.tainted: dict[str, str] = {}  # reader -> origin of the wrong read it made or took
@@ -66,6 +67,7 @@ class KVRecord:
         )
         new.verified = {r: list(c) for r, c in self.verified.items()}
         new.whole = dict(self.whole)  # its lists are replaced, never changed
+        new.bumped = set()
         new._now = (-1, {})
         return new
 
@@ -78,6 +80,7 @@ class KVRecord:
             for f, row in zip(fields, rows):
                 f[dst * bs : (dst + 1) * bs] = row
             self.version[dst] += 1
+            self.bumped.add(dst)
 
     def write(
         self, seq: str, pos: int, token: int, digest: bytes | None, slot: int, step: int
@@ -99,7 +102,7 @@ class KVRecord:
             self.step,
             self.taint,
         )
-        tainted, version = self.tainted, self.version
+        tainted, version, bumped = self.tainted, self.version, self.bumped
         if self._now[0] != step:
             self._now = (step, {})
         now = self._now[1]
@@ -111,6 +114,7 @@ class KVRecord:
             writer[s], pos_[s], token_[s] = seq, pos, token
             ident[s], step_[s], taint[s] = d[pos], step, tainted.get(seq)
             version[s // bs] += 1
+            bumped.add(s // bs)
             mine = now.get(seq)
             if mine is None:
                 mine = now[seq] = []
@@ -195,6 +199,7 @@ class KVRecord:
                 for t in self._now[1].get(seq, ()):
                     self.taint[t] = origin or seq
                     self.version[t // bs] += 1
+                    self.bumped.add(t // bs)
         return out
 
 
@@ -238,12 +243,13 @@ class RankRecords:
         ids, chains, out = self.ids, self.ids.chains, []
         for r, rec in sorted(self.records.items()):
             reads, writes = pending.get(r, pending[0])
-            rec.write_all(writes, step, chains, lambda s, p: ids.upto(s, t := tokens_of(s), len(t)))
-            for seq, n, blocks in reads:
+            for seq, n, _ in reads:  # a reader's identities (a writer reads what it writes)
                 d = chains.get(seq)
                 if d is None or len(d) < n:
-                    d = ids.upto(seq, tokens_of(seq), n)
-                for f in rec.read(seq, d, blocks, n, step):
+                    ids.upto(seq, tokens_of(seq), n)
+            rec.write_all(writes, step, chains, lambda s, p: ids.upto(s, t := tokens_of(s), len(t)))
+            for seq, n, blocks in reads:
+                for f in rec.read(seq, chains[seq], blocks, n, step):
                     f["rank"], f["via_hit"] = r, f["block"] in self.hits.get(seq, ())
                     out.append(f)
         return out

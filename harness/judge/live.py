@@ -180,7 +180,8 @@ class LiveRun:
             self.h.append({"e": "kv_read", "step": step, **f})
         snap_step, snap = self.last_snap
         if snap_step == step:  # the cache as the manager tells it, against what was written
-            for ev in self.cache_watch.check(self.kv.records[0], snap.cache, step):
+            state = self.passed.get("cache")
+            for ev in self.cache_watch.check(self.kv.records[0], snap.cache, step, state):
                 self.h.append(ev)
 
     # -- actions ----------------------------------------------------------------------
