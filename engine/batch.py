@@ -124,14 +124,14 @@ class BatchBuilder:
 
     def _record_writes(self, decode, prefill, slots_by_rank: list[torch.Tensor]) -> None:
         """The blocks each rank's writes land in, by sequence (the harness's record)."""
-        bs, nb = self.bm.block_size, self.bm.num_blocks
+        nb, bs = self.kv_pools[0].shape[2:4]  # the pool as sized (no call into the manager)
         ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
-        self.written = {}
+        written = self.written = {}
         for rank, slots in enumerate(slots_by_rank):
             # a chunk's tokens run in one block at a time: one entry per run
             for (seq_id, block), _ in groupby(zip(ids, (slots // bs).tolist())):
                 # an unused entry (-1) lands in the last block
-                self.written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
+                written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
 
     def _arange(self, n: int) -> torch.Tensor:
         """torch.arange(n) on the engine's device, cached (a view of a longer one)."""

@@ -108,9 +108,9 @@ class LiveRun:
         snap_step, snap = self.last_snap
         if snap_step != step:
             return
-        free = set(snap.free)
+        free, held = set(snap.free), snap.seq_blocks
         for req, blocks in self.engine.written.items():
-            owned = set(snap.seq_blocks.get(req, ()))
+            owned = held.get(req, ())  # a few blocks a step: no set of them
             stray = sorted(b for b in blocks if b not in owned or b in free)
             if stray:
                 self.h.append(
@@ -119,7 +119,7 @@ class LiveRun:
                         "step": step,
                         "req": req,
                         "blocks": stray,
-                        "owned": sorted(owned),
+                        "owned": sorted(set(owned)),
                         "ranks": sorted(set().union(*(blocks[b] for b in stray))),
                     }
                 )

@@ -187,13 +187,14 @@ class Oracle:
         model = self.model
         r, m = len(group), max(1, group[-1][0])  # sorted: the last feeds the most
         lens = [len(p.fed) if p else 0 for _, _, p in group]
-        batch = torch.zeros(r, m, dtype=torch.long)
-        fed_all = []
+        flat, fed_all = [], []  # the new tokens, right-padded with 0: one tensor for the pass
         for row, (n, i, past) in enumerate(group):
             req, tokens, prompt_len, rows = items[i]
             fed = tokens[: prompt_len + rows.shape[0] - 1]
             fed_all.append(fed)
-            batch[row, :n] = torch.tensor(fed[lens[row] :], dtype=torch.long)
+            flat += fed[lens[row] :]
+            flat += [0] * (m - n)
+        batch = torch.tensor(flat, dtype=torch.long).view(r, m)
         hidden, new_kv = self._forward(batch, lens, [p for _, _, p in group])
         # Logits only where the engine produced some and not yet checked: from each prompt's
         # last token on, past what an earlier check of it compared.

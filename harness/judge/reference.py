@@ -14,12 +14,16 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, rotate-half layout: pair i is (x[i], x[i + d/2]), turned by pos * f_i."""
-    d = x.shape[-1]
+def _turns(t: int, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding's cos and sin [T, 1, d/2], rotate-half layout: pair i is (x[i],
+    x[i + d/2]), turned by pos * f_i."""
     freqs = torch.tensor([theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
-    angle = positions.to(torch.float64)[:, None] * freqs[None, :]  # [T, d/2]
-    c, s = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+    angle = torch.arange(t, dtype=torch.float64)[:, None] * freqs[None, :]  # [T, d/2]
+    return torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
     a, b = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
 
@@ -31,7 +35,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group = h // hkv
     t = len(tokens)
-    pos = torch.arange(t)
+    c, s = _turns(t, d, cfg.rope_theta)
     x = f64(model.embed)[torch.tensor(tokens)]
     causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
     for layer in model.layers:
@@ -39,7 +43,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
         q = qkv[:, : h * d].reshape(t, h, d)
         k = qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d)
         v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)
-        q, k = _rotate(q, pos, cfg.rope_theta), _rotate(k, pos, cfg.rope_theta)
+        q, k = _rotate(q, c, s), _rotate(k, c, s)
         kv = torch.arange(h) // group  # query heads share a KV head in consecutive groups
         qh, kh, vh = q.transpose(0, 1), k[:, kv].transpose(0, 1), v[:, kv].transpose(0, 1)
         score = (qh @ kh.transpose(1, 2)) / math.sqrt(d)  # [heads, T, T]
