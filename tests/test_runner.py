@@ -97,6 +97,27 @@ def test_same_scenario_and_seed_give_the_same_history(tiny, tmp_path):
     assert rechecked == results_of(a)["checkers"]
 
 
+@pytest.mark.parametrize(
+    "name", ["table-overflow-detect", "refcount-leak-detect", "prefix-cache-stale-revive-detect"]
+)
+def test_checkers_judge_a_history_read_back_as_they_did_in_memory(name, tmp_path):
+    """In memory a snapshot's unchanged fields are the very objects of the one before, and
+    checkers skip what they judged already: read back, nothing is shared; the same findings."""
+    from kvchaos.harness.judge.runner import evaluate
+    from kvchaos.harness.judge.scenario import BUILTIN_DIR
+
+    sc = load_scenario(BUILTIN_DIR / f"{name}.toml")
+    r = run_scenario(sc, 1, report_dir=tmp_path)
+    snaps = [e for e in r.events if e["e"] == "snapshot"]
+    assert any(a["table"] is b["table"] for a, b in zip(snaps, snaps[1:]))  # shared in memory
+    assert r.findings
+    checks, v = evaluate(
+        sc, read_history(r.run_dir / "history.jsonl"), r.results["fault_verify"], None
+    )
+    assert v.verdict == r.verdict
+    assert [c.to_dict() for c in checks] == json.loads(json.dumps(r.results["checkers"]))
+
+
 def test_the_digest_of_events_in_memory_is_that_of_their_lines_read_back(tmp_path):
     """What orjson cannot encode (an int past 64 bits, a lone surrogate) takes the standard
     encoder; NaN, int keys, tuples and unstable fields hash the same in memory and read back."""

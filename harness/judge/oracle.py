@@ -138,11 +138,6 @@ class Oracle:
             self._check_group(items, group, out, keep, capture)
         return out
 
-    def hidden(self, tokens: list[int]) -> torch.Tensor:
-        """The oracle's path on one whole sequence, no cache: hidden states [T, hidden]."""
-        batch = torch.tensor([tokens], dtype=torch.long)
-        return self._forward(batch, [0], [None])[0][0]
-
     def _forward(self, batch: torch.Tensor, lens: list[int], pasts: list):
         """batch [R, M] new tokens of requests whose caches hold lens[r] tokens (pasts[r], or
         None) -> hidden [R, M, hidden] and the new tokens' K/V ([layers, 2, R, Hkv, M, D])."""
