@@ -162,8 +162,9 @@ UNSTABLE_KEYS = frozenset(
 
 
 # Events whose nested dicts are keyed by request ids and the harness's own field names, never by
-# an unstable key: the biggest events of a run (a snapshot per step) skip the nested scan.
-FLAT_STABLE = frozenset({"snapshot"})
+# an unstable key (a step's are top-level): the biggest and most frequent events of a run (a step
+# and a snapshot each step) skip the nested scan.
+FLAT_STABLE = frozenset({"snapshot", "step"})
 
 
 def _stable(d: dict) -> dict:
@@ -186,11 +187,12 @@ _encode = json.JSONEncoder(
 def _stable_part(event: dict) -> dict:
     """The event without what measures time or the machine; the event itself when it has none
     (most events; a step's unstable fields are top-level)."""
+    flat = event.get("e") in FLAT_STABLE
     if UNSTABLE_KEYS.isdisjoint(event):
-        if event.get("e") in FLAT_STABLE or not any(
-            isinstance(v, dict) and _has_unstable(v) for v in event.values()
-        ):
+        if flat or not any(isinstance(v, dict) and _has_unstable(v) for v in event.values()):
             return event
+    elif flat:
+        return {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
     elif not any(isinstance(v, dict) for k, v in event.items() if k in UNSTABLE_KEYS):
         rest = {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
         if not _has_unstable(rest):

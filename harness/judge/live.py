@@ -99,8 +99,14 @@ class LiveRun:
             return
         self.last_snap = (step, snap)
         # a cache is diffed against the last one shown (a snapshot without one changes nothing)
-        self.passed = {**d, "cache": self.passed.get("cache") if cache is None else cache}
-        self.h.append({"e": "snapshot", "step": step, **d, "live": [s.id for s in e.running]})
+        live = [s.id for s in e.running]
+        live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
+        self.passed = {
+            **d,
+            "live": live,
+            "cache": self.passed.get("cache") if cache is None else cache,
+        }
+        self.h.append({"e": "snapshot", "step": step, **d, "live": live})
 
     def _check_writes(self, step: int) -> None:
         """The blocks each sequence's KV was written to this step (the engine's slot mapping, the
