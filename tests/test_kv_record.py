@@ -178,3 +178,23 @@ def test_a_cache_hit_is_named_and_a_step_that_raised_leaves_its_slots_torn():
     assert [(f["block"], f["via_hit"], f.get("torn")) for f in out] == [
         (b, True, True) for b in (1, 2)
     ]
+
+
+def test_a_whole_block_read_before_is_read_again_once_anyone_writes_into_it():
+    """A reader's whole entries, unchanged since it read them, are skipped at C speed; a write
+    into one of them (by another writer, a copy or a taint) makes the next read verify it."""
+    rec = KVRecord(8, BS)
+    fill(rec, "a", PROMPT, [3, 5])
+    ids = chain(PROMPT)
+    assert rec.read("a", ids, [3, 5], 8, 2) == [] and rec.work == 8
+    assert rec.read("a", ids, [3, 5], 8, 3) == [] and rec.work == 8  # nothing changed: skipped
+    rec.write("b", 1, 99, chain([5, 99], "b")[1], 3 * BS + 1, 4)  # b overwrites a's slot 1
+    (bad,) = rec.read("a", ids, [3, 5], 8, 5)
+    assert (bad["block"], bad["slots"], bad["writer"]) == (3, [1], "b")
+    fill(rec, "a", PROMPT, [3, 5], step=6)  # a rewrites both blocks: right again
+    work = rec.work
+    assert rec.read("a", ids, [3, 5], 8, 7) == [] and rec.work == work + 8
+    rec.copy([(5, 3)])  # block 3 takes block 5's slots: a's positions 4..7 at 0..3
+    (bad,) = rec.read("a", ids, [3, 5], 8, 8)
+    assert bad["block"] == 3 and bad["slots"] == [0, 1, 2, 3]
+    assert rec.read("a", ids, [5, 5], 8, 9)[0]["index"] == 0  # other blocks: verified again
