@@ -19,6 +19,7 @@ from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.judge import inputs
 from kvchaos.harness.judge.inputs import parse_seeds
 from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
+from kvchaos.harness.report.batch import details, print_table, run_doc, where
 from kvchaos.harness.tools.isolate import DEFAULT_TIMEOUT_S
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
@@ -252,11 +253,11 @@ def cmd_run(args) -> int:
                 )
                 results.append(r)
                 if live and r.verdict != PASS:
-                    progress.console.print(f"[red]{r.verdict}[/] {escape(_details(r))}")
+                    progress.console.print(f"[red]{r.verdict}[/] {escape(details(r))}")
                 elif log is not None and not live:
                     line = f"[{i}/{len(jobs)}] {sc.name} seed {seed}: {r.verdict}"
                     line += f" ({time.perf_counter() - t0:.1f} s)"
-                    print(line + ("" if r.verdict == PASS else f": {_details(r)}"), file=log)
+                    print(line + ("" if r.verdict == PASS else f": {details(r)}"), file=log)
                     log.flush()  # CI shows each run as it ends
                 if r.results.get("reason") == "interrupted":  # Ctrl-C: its record is on disk
                     break
@@ -289,92 +290,16 @@ def cmd_run(args) -> int:
     code = EXIT_INTERRUPTED if interrupted else EXIT_CODES[worst([r.verdict for r in results])]
     code = EXIT_USAGE if full else code
     if as_json:
-        _print_json(_run_doc(results, report_dir, indexed, code, interrupted))
+        _print_json(run_doc(results, report_dir, indexed, code, interrupted))
     else:
-        _print_table(console, results)
+        print_table(console, results)
     if full:
         raise full
     if not (as_json and args.quiet):
-        print(_where(report_dir, results[-1], indexed), file=sys.stderr if as_json else sys.stdout)
+        print(where(report_dir, results[-1], indexed), file=sys.stderr if as_json else sys.stdout)
     if interrupted:
         raise KeyboardInterrupt
     return code
-
-
-def _details(r) -> str:
-    """A run that is not PASS: what happened and how to see it again."""
-    return (
-        f"{r.scenario} seed {r.seed}: {r.summary}\n"
-        f"  replay: {r.results.get('replay')}  run: {r.run_dir}"
-    )
-
-
-def _where(report_dir: Path, newest, indexed: bool) -> str:
-    index = report_dir / "index.html" if indexed else "not updated"
-    return f"reports: {report_dir}  index: {index}  latest: {report_dir / 'latest'}" + (
-        f" -> {newest.run_dir.name}" if newest.run_dir else ""
-    )
-
-
-def _run_doc(results, report_dir: Path, indexed: bool, code: int, interrupted: bool) -> dict:
-    """--format json: the batch, one document (paths absolute: CI steps run elsewhere)."""
-    where = report_dir.absolute()
-    return {
-        "kvchaos": __version__,
-        "command": "run",
-        "verdict": worst([r.verdict for r in results]),
-        "exit_code": code,
-        "interrupted": interrupted,
-        "report_dir": str(where),
-        "index": str(where / "index.html") if indexed else None,
-        "latest": str(where / "latest"),
-        "runs": [
-            {
-                "scenario": r.scenario,
-                "seed": r.seed,
-                "verdict": r.verdict,
-                "exit_code": EXIT_CODES[r.verdict],
-                "summary": r.summary,
-                "run_dir": str(r.run_dir.absolute()) if r.run_dir else None,
-                "replay": r.results.get("replay"),
-                "steps": r.results.get("steps"),
-                "time_to_detect_steps": r.results.get("time_to_detect_steps", {}),
-                "wall_s": r.results.get("wall_s"),
-            }
-            for r in results
-        ],
-    }
-
-
-def _print_table(console, results) -> None:
-    from collections import defaultdict
-
-    from rich.markup import escape
-    from rich.table import Table
-
-    colour = {"PASS": "green", "INCONCLUSIVE": "yellow"}
-    by_sc = defaultdict(list)
-    for r in results:
-        by_sc[r.scenario].append(r)
-    t = Table(title=f"kvchaos: {len(results)} runs")
-    for col in ("scenario", "seeds", "verdicts", "time to detect (median steps)", "steps (median)"):
-        t.add_column(col)
-    for name, rs in by_sc.items():
-        counts = defaultdict(int)
-        for r in rs:
-            counts[r.verdict] += 1
-        ttd = sorted(v for r in rs for v in r.results.get("time_to_detect_steps", {}).values())
-        steps = sorted(r.results.get("steps", 0) for r in rs)
-        t.add_row(
-            escape(name),
-            str(len(rs)),
-            " ".join(f"[{colour.get(k, 'red')}]{k} {v}/{len(rs)}[/]" for k, v in counts.items()),
-            str(ttd[len(ttd) // 2]) if ttd else "-",
-            str(steps[len(steps) // 2]),
-        )
-    console.print(t)
-    w = worst([r.verdict for r in results])
-    console.print(f"overall: [{colour.get(w, 'red')}]{w}[/] ({MEANING[w]})")
 
 
 def _subparser(sub, name: str, help_: str, description: str):
