@@ -144,7 +144,7 @@ class KVRecord:
             ):
                 k = 0
         for i in range(k, -(-n_ctx // bs)):
-            b, cnt, v = blocks[i], min(bs, n_ctx - i * bs), self.version[blocks[i]]
+            b, cnt, v = blocks[i], min(bs, n_ctx - i * bs), version[blocks[i]]
             was = done[i] if i < len(done) else None
             if was is not None and was[0] == b and was[1] == v and was[2] >= cnt:
                 continue

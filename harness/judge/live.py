@@ -98,12 +98,12 @@ class LiveRun:
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        # a cache is diffed against the last one shown (a snapshot without one changes nothing)
         live = [s.id for s in e.running]
         live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
         self.passed = {
             **d,
             "live": live,
+            # a cache is diffed against the last one shown (a snapshot without one keeps it)
             "cache": self.passed.get("cache") if cache is None else cache,
         }
         self.h.append({"e": "snapshot", "step": step, **d, "live": live})
@@ -346,7 +346,7 @@ class LiveRun:
     def _check(self, queue: list, live_from: int | None = None) -> None:
         """Check queued requests in padded passes and record them; those from live_from on are
         live requests checked so far: only the diverged are recorded, then checked no more."""
-        # the cross-check takes the request with the most rows (the first of them)
+        # the cross-check takes the longest request (prompt and rows; the first of them)
         first = (
             max(queue, key=lambda q: q[2][3].shape[0]) if queue and not self.cross_checked else None
         )

@@ -69,6 +69,7 @@ class Oracle:
         # exact token prefix -> K/V holding at least its positions: the oracle's own computation
         # for those very tokens, so a request starting with them does not compute them again
         self.shared: dict[tuple[int, ...], torch.Tensor] = {}
+        self.captured: tuple[int, torch.Tensor] | None = None  # see check_many's capture
 
     def _shared_past(self, fed: list[int], prompt_len: int) -> _Past | None:
         """The longest kept prefix of fed that ends before the first position whose logits are

@@ -8,11 +8,6 @@ from __future__ import annotations
 from itertools import chain
 
 
-def problem(snap, engine, num_blocks: int, passed: dict | None = None) -> str | None:
-    """What is wrong with a snapshot, in one line, or None. passed: see judge."""
-    return judge(snap, engine, num_blocks, passed)[0]
-
-
 def judge(snap, engine, num_blocks: int, passed: dict | None = None):
     """judge_seen() against an engine: what its manager says and what it computed."""
     computed = [(s.id, s.num_computed, len(s.tokens)) for s in engine.running]
