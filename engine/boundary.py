@@ -146,7 +146,7 @@ class Boundary:
     """Wraps a block manager: same attributes, every protocol call recorded and guarded."""
 
     # Told (call, args) before each call into the manager and None after it returns: an isolated
-    # worker (kvchaos.harness.tools.isolate) sets it, so that its parent can name a call that hung
+    # worker (kvchaos.harness.run.isolate) sets it, so that its parent can name a call that hung
     # or ended the process. None (the default) costs one attribute read per call.
     watch = None
 

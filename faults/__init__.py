@@ -1,7 +1,7 @@
 """The four failure modes of the source article and the prefix cache's, each with a trigger and a
 plantable defect."""
 
-from kvchaos.faults.base import Fault, ParamError  # noqa: F401  ParamError: for kvchaos.harness.judge.scenario
+from kvchaos.faults.base import Fault, ParamError  # noqa: F401  ParamError: for kvchaos.harness.scenario.spec
 from kvchaos.faults.ordering_race import OrderingRace
 from kvchaos.faults.prefix_cache import PrefixCache
 from kvchaos.faults.refcount_leak import RefcountLeak

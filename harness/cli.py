@@ -16,11 +16,11 @@ from pathlib import Path
 
 from kvchaos import __version__
 from kvchaos.engine.errors import KVChaosError
-from kvchaos.harness.judge import inputs
-from kvchaos.harness.judge.inputs import parse_seeds
-from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
+from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
 from kvchaos.harness.report.batch import details, print_table, run_doc, where
-from kvchaos.harness.tools.isolate import DEFAULT_TIMEOUT_S
+from kvchaos.harness.run.isolate import DEFAULT_TIMEOUT_S
+from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario.inputs import parse_seeds
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 # Subcommands that live in their own modules; each has add_arguments(parser) and main(args) -> int.
@@ -48,7 +48,7 @@ TOOLS = {
         "the prepared GPU check: gpu tests, CUDA scenarios, kernel bench, soak",
     ),
     "conformance": (
-        "kvchaos.harness.tools.conformance",
+        "kvchaos.harness.conformance.suite",
         "test your block manager against the protocol's properties (Hypothesis, shrunk)",
     ),
 }
@@ -125,7 +125,7 @@ def main_epilog(commands) -> str:
 
 def select_scenarios(names: list[str], tags: list[str] | None = None, device: str | None = None):
     """device: where they will run (their memory is judged there)."""
-    from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
+    from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
 
     scs = [load_scenario(n, device) for n in names] if names else builtin_scenarios(device)
     if tags:
@@ -181,7 +181,7 @@ def _scenario_doc(s) -> dict:
 
 
 def cmd_run(args) -> int:
-    from kvchaos.harness.tools import isolate
+    from kvchaos.harness.run import isolate
 
     isolated = not args.in_process and "RANK" not in os.environ  # torchrun's ranks: in-process
     if isolated:
@@ -191,9 +191,9 @@ def cmd_run(args) -> int:
 
     from kvchaos.engine.cluster import Cluster, external_launch
     from kvchaos.engine.follower import serve
-    from kvchaos.harness.judge.runner import resolve_device
-    from kvchaos.harness.judge.user_code import validate_manager
     from kvchaos.harness.report.paths import report_dir_problem
+    from kvchaos.harness.run.runner import resolve_device
+    from kvchaos.harness.run.user_code import validate_manager
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
         return serve()  # under torchrun, ranks > 0 serve rank 0's runs

@@ -14,7 +14,7 @@ kvchaos_run, called by a hand-written test, writes into that test's tmp_path unl
 --kvchaos-report-dir is given: such tests run on every `pytest`, as unit tests do, and should not
 fill the project's reports/.
 
-Scenario items run each in a fresh worker process (kvchaos.harness.tools.isolate, as `kvchaos
+Scenario items run each in a fresh worker process (kvchaos.harness.run.isolate, as `kvchaos
 run` does), stopped at --kvchaos-timeout; a worker that hangs or dies fails its item with a verdict
 and the session goes on (pytest-xdist too). --kvchaos-in-process runs them in the pytest process;
 kvchaos_run always runs in the test's own process (the test may patch what it runs).
@@ -97,8 +97,8 @@ def pytest_configure(config) -> None:
     _check_flags(config)
     spec = config.getoption("--kvchaos-block-manager", None)
     if spec:  # a bad spec is one usage error, not an ERROR on every item
-        from kvchaos.harness.judge.user_code import validate_manager
-        from kvchaos.harness.tools.isolate import in_process_reason, validate_isolated
+        from kvchaos.harness.run.isolate import in_process_reason, validate_isolated
+        from kvchaos.harness.run.user_code import validate_manager
 
         isolated = not config.getoption("--kvchaos-in-process") and in_process_reason() is None
         try:
@@ -118,7 +118,7 @@ def _check_flags(config) -> None:
     if not given:
         return
     from kvchaos.engine.errors import KVChaosError
-    from kvchaos.harness.judge import inputs
+    from kvchaos.harness.scenario import inputs
 
     checks = {
         "--kvchaos-seeds": lambda v: inputs.parse_seeds(None, v),
@@ -217,7 +217,7 @@ def pytest_collect_file(file_path: Path, parent):
 def pytest_collection_modifyitems(session, config, items) -> None:
     spec = config.getoption("--kvchaos-block-manager")
     if spec:  # the conformance suite for that manager: one item a property
-        from kvchaos.harness.tools.conformance import conformance_items
+        from kvchaos.harness.conformance.suite import conformance_items
 
         items.extend(conformance_items(session, spec))
 
@@ -225,7 +225,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 class ScenarioFile(pytest.File):
     def collect(self):
         from kvchaos.harness.cli import parse_seeds
-        from kvchaos.harness.judge.scenario import ScenarioError, load_scenario
+        from kvchaos.harness.scenario.spec import ScenarioError, load_scenario
 
         try:
             sc = load_scenario(self.path)
@@ -266,7 +266,7 @@ class ScenarioItem(pytest.Item):
         self.user_properties += [("scenario", scenario.name), ("seed", seed)]
 
     def runtest(self) -> None:
-        from kvchaos.harness.tools import isolate
+        from kvchaos.harness.run import isolate
 
         cfg = self.config
         isolated = not cfg.getoption("--kvchaos-in-process")
@@ -319,11 +319,11 @@ class ScenarioItem(pytest.Item):
 def kvchaos_run(request, tmp_path):
     """Run a scenario (a Scenario, a file path, a built-in name, or a dict in the file's shape)
     with the command line's device and block manager; returns
-    kvchaos.harness.judge.runner.RunResult. The run folder goes into --kvchaos-report-dir when
+    kvchaos.harness.run.runner.RunResult. The run folder goes into --kvchaos-report-dir when
     given, else into the test's tmp_path (report_dir=... to choose)."""
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import Scenario, load_scenario, parse_scenario
     from kvchaos.harness.report.render import publish
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import Scenario, load_scenario, parse_scenario
 
     cfg = request.config
 
@@ -345,7 +345,7 @@ def kvchaos_run(request, tmp_path):
 def kvchaos_engine(request):
     """Build an Engine (engine.Engine) from an EngineConfig on the configured block manager."""
     from kvchaos.engine.engine import Engine
-    from kvchaos.harness.judge.user_code import load_object
+    from kvchaos.harness.run.user_code import load_object
 
     spec = request.config.getoption("--kvchaos-block-manager")
 

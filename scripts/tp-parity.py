@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from kvchaos.harness.judge.scenario import builtin_scenarios
+from kvchaos.harness.scenario.spec import builtin_scenarios
 
 
 def verdicts(name: str, seeds: int, mode: str, world: int, report_dir: Path) -> dict[int, dict]:

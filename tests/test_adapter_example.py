@@ -6,10 +6,10 @@ key, and conformance catches the adapter when it caches pages a failed step neve
 from __future__ import annotations
 
 from kvchaos.harness.adapters.example import MyKV, MyKVManager
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
-from kvchaos.harness.judge.user_code import validate_manager
-from kvchaos.harness.tools.conformance import run_conformance
+from kvchaos.harness.conformance.suite import run_conformance
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.scenario.spec import BUILTIN_DIR, load_scenario
 
 SPEC = "kvchaos.harness.adapters.example:MyKVManager"
 

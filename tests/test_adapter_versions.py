@@ -10,7 +10,7 @@ from importlib import metadata
 import pytest
 
 from kvchaos.harness.cli import main
-from kvchaos.harness.judge.user_code import validate_manager
+from kvchaos.harness.run.user_code import validate_manager
 
 MISSING = metadata.PackageNotFoundError
 CASES = [  # (engine, installed version or MISSING, what the adapter says)

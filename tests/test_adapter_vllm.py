@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from real_engines import load_adapter
 
-from kvchaos.harness.judge.user_code import validate_manager
+from kvchaos.harness.run.user_code import validate_manager
 
 
 @pytest.mark.vllm
 def test_vllms_manager_passes_the_door_and_conformance_on_what_it_declares():
-    from kvchaos.harness.tools.conformance import run_conformance
+    from kvchaos.harness.conformance.suite import run_conformance
 
     vllm = load_adapter("vllm")
     assert validate_manager("vllm") is vllm.VLLMManager
@@ -26,8 +26,8 @@ def test_vllms_manager_passes_the_door_and_conformance_on_what_it_declares():
 
 @pytest.mark.vllm
 def test_vllms_manager_runs_a_prefix_scenario_with_hits_and_no_null_block():
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import BUILTIN_DIR, load_scenario
 
     vllm = load_adapter("vllm")
     sc = load_scenario(BUILTIN_DIR / "prefix-samples-clean.toml", "cpu")

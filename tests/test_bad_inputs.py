@@ -20,9 +20,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from kvchaos.harness.cli import main
-from kvchaos.harness.judge import footprint
-from kvchaos.harness.judge.scenario import builtin_scenarios
 from kvchaos.harness.report import paths, render
+from kvchaos.harness.scenario import footprint
+from kvchaos.harness.scenario.spec import builtin_scenarios
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).with_name("bad_inputs")
@@ -295,8 +295,8 @@ def test_pytest_refuses_an_escaping_name_at_collection(pytester):
 
 
 def test_a_run_folder_is_always_inside_the_report_dir(tmp_path):
-    from kvchaos.harness.judge.runner import new_run_dir
-    from kvchaos.harness.judge.scenario import ScenarioError
+    from kvchaos.harness.run.runner import new_run_dir
+    from kvchaos.harness.scenario.spec import ScenarioError
 
     reports = tmp_path / "deep" / "reports"
     for name in ("../../escape", "a/b", "/abs"):  # names a Scenario's validator never saw
@@ -309,7 +309,7 @@ def test_a_run_folder_is_always_inside_the_report_dir(tmp_path):
 def test_sizes_are_judged_against_the_memory_really_available(monkeypatch):
     import psutil
 
-    from kvchaos.harness.judge.scenario import ScenarioError, load_scenario
+    from kvchaos.harness.scenario.spec import ScenarioError, load_scenario
 
     with pytest.raises(ScenarioError) as e:
         load_scenario(CORPUS / "size-num-requests-1e9.toml")
@@ -323,7 +323,7 @@ def test_sizes_are_judged_against_the_memory_really_available(monkeypatch):
 
 
 def test_on_cuda_the_device_parts_are_judged_by_the_device(monkeypatch):
-    from kvchaos.harness.judge.scenario import ScenarioError, load_scenario
+    from kvchaos.harness.scenario.spec import ScenarioError, load_scenario
 
     free = {"cpu": 4 * footprint.GiB, "cuda": 64 * footprint.GiB}
     monkeypatch.setattr(footprint, "available", lambda d: (free[d.split(":")[0]], d))
@@ -342,9 +342,9 @@ def test_on_cuda_the_device_parts_are_judged_by_the_device(monkeypatch):
 def test_analyze_of_a_cut_short_history_is_an_error_analysis_naming_what_is_missing(
     tmp_path, capsys
 ):
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import parse_scenario
     from kvchaos.harness.report.render import publish
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import parse_scenario
 
     sc = parse_scenario(tomllib.loads(TINY), "tiny")
     run = publish(run_scenario(sc, 0, report_dir=tmp_path)).run_dir

@@ -1,5 +1,5 @@
 """kvchaos.engine.block_manager.BlockManager as a Hypothesis state machine: the protocol v2
-conformance suite every v2 manager faces (kvchaos.harness.judge.conformance_v2: answers, refusals
+conformance suite every v2 manager faces (kvchaos.harness.conformance.v2: answers, refusals
 change nothing, every computed position reads its own KV through the table, copy-on-write,
 release reasons, each snapshot's integrity, table rows, resize keeps every row, append_decode all
 or nothing), on a table narrower than the pool, plus what only the reference promises: a refusal
@@ -20,7 +20,7 @@ from kvchaos.engine.boundary import describe
 from kvchaos.engine.errors import OutOfBlocks, TableOverflow
 from kvchaos.engine.protocols import capabilities
 from kvchaos.engine.tables import OwnedTable
-from kvchaos.harness.judge.conformance_v2 import ConformanceMachineV2
+from kvchaos.harness.conformance.v2 import ConformanceMachineV2
 
 SEQS, RELEASED = ConformanceMachineV2.seqs, ConformanceMachineV2.released
 

@@ -1,13 +1,13 @@
-"""harness/judge/cache_state.py: the manager's cache state against the writer record. Each problem
+"""harness/run/cache_state.py: the manager's cache state against the writer record. Each problem
 of a cached block (partial, tokens, chain, parent) and of a hit (not_cached, tokens, parent) on a
 hand-built record; an entry judged once until its block is written again; the prefix_cache
 checker's findings; and a canary that keeps stale cache entries caught by it in a run."""
 
 from __future__ import annotations
 
-from kvchaos.harness.judge.cache_checks import check_prefix_cache
-from kvchaos.harness.judge.cache_state import CacheWatch
-from kvchaos.harness.judge.kv_record import Identities, KVRecord
+from kvchaos.harness.check.cache_checks import check_prefix_cache
+from kvchaos.harness.run.cache_state import CacheWatch
+from kvchaos.harness.run.kv_record import Identities, KVRecord
 
 BS = 2
 
@@ -42,7 +42,7 @@ def test_a_true_cache_has_no_problem_and_is_judged_once():
 def test_an_unchanged_cache_is_judged_again_only_where_a_cached_block_was_written():
     """With the judge's state object unchanged, the watch looks again only at cached blocks
     whose version moved: a write into one is caught, a write elsewhere costs nothing."""
-    from kvchaos.harness.judge.snapshots import cache_delta
+    from kvchaos.harness.history.cache import cache_delta
 
     rec, w = written({"a": (A, [0, 1])}), CacheWatch(BS)
     cache = [entry(0, "k0", None, [5, 6]), entry(1, "k1", "k0", [7, 8])]
@@ -110,8 +110,8 @@ def test_the_checker_turns_events_into_findings_and_is_not_judged_without_cache_
 
 
 def test_a_cache_that_keeps_entries_of_evicted_blocks_is_caught_by_their_content():
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import load_scenario
     from kvchaos.harness.tools.canaries import EvictKeepsEntry
 
     r = run_scenario(load_scenario("prefix-shared-clean"), 0, "cpu", None, EvictKeepsEntry)
@@ -121,8 +121,8 @@ def test_a_cache_that_keeps_entries_of_evicted_blocks_is_caught_by_their_content
 
 def test_a_cache_state_out_of_shape_is_a_finding_against_the_manager_not_a_harness_error():
     from kvchaos.engine.prefix_manager import PrefixCachingManager
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import load_scenario
 
     class CacheOutOfPool(PrefixCachingManager):
         def snapshot(self):
@@ -137,7 +137,7 @@ def test_a_cache_state_out_of_shape_is_a_finding_against_the_manager_not_a_harne
 
 
 def test_a_cache_entry_is_rechecked_when_it_differs_from_the_one_that_passed():
-    from kvchaos.harness.judge.snapshots import cache_delta
+    from kvchaos.harness.history.cache import cache_delta
 
     good = {"block": 3, "key": "k", "parent": None, "tokens": [1, 2]}
     _, known, wrong = cache_delta({}, [good], 8)
@@ -152,7 +152,7 @@ def test_a_cache_entry_is_rechecked_when_it_differs_from_the_one_that_passed():
 
 
 def test_the_cache_delta_keeps_its_own_copy_and_records_a_change_under_one_key():
-    from kvchaos.harness.judge.snapshots import apply_cache, cache_delta
+    from kvchaos.harness.history.cache import apply_cache, cache_delta
 
     entry = {"block": 3, "key": "k", "parent": None, "tokens": [1, 2]}
     first, known, _ = cache_delta({}, [entry])

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvchaos.harness.judge.checkers import (
+from kvchaos.harness.check.checkers import (
     CHECKERS,
     check_block_accounting,
     check_cross_rank,

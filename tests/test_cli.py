@@ -19,10 +19,10 @@ import torch
 
 import kvchaos
 from kvchaos.engine.engine import Engine
+from kvchaos.harness.check.verdict import EXIT_CODES
 from kvchaos.harness.cli import EXITS, build_parser, main
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
-from kvchaos.harness.judge.verdict import EXIT_CODES
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
 
 KVCHAOS = Path(sys.executable).with_name("kvchaos")
 
@@ -81,8 +81,8 @@ def documented(help_text: str) -> set[int]:
 
 # where each command's exit codes are defined: its EXIT_* constants must all be in its help
 SOURCES = {
-    "run": ["kvchaos.harness.judge.verdict"],
-    "analyze": ["kvchaos.harness.judge.verdict"],
+    "run": ["kvchaos.harness.check.verdict"],
+    "analyze": ["kvchaos.harness.check.verdict"],
     "replay": ["kvchaos.harness.tools.replay"],
     "shrink": ["kvchaos.harness.tools.shrink"],
     "soak": ["kvchaos.harness.tools.soak", "kvchaos.harness.tools.soak_summary"],
@@ -90,7 +90,7 @@ SOURCES = {
     "selftest": ["kvchaos.harness.tools.selftest"],
     "bench": [],
     "list": [],
-    "conformance": ["kvchaos.harness.tools.conformance"],
+    "conformance": ["kvchaos.harness.conformance.suite"],
 }
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import hypothesis  # noqa: F401  imported once here: pytester's in-process runs drop what they import
 import pytest
 
-import kvchaos.harness.tools.conformance  # noqa: F401
+import kvchaos.harness.conformance.suite  # noqa: F401
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.harness.cli import main
-from kvchaos.harness.tools.conformance import run_conformance
+from kvchaos.harness.conformance.suite import run_conformance
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # tests/managers.py, named by spec

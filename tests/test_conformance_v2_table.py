@@ -1,5 +1,5 @@
 """`kvchaos conformance` on the table and decode-batch paths of a v2 manager
-(kvchaos.harness.judge.conformance_table): the canaries of the table family are each caught by
+(kvchaos.harness.conformance.table): the canaries of the table family are each caught by
 the property that names their bug; a decode batch that is not all or nothing fails; a manager
 without "own_table" (the engine builds its table) or without "append_decode" has those
 properties not applicable. The plain reference passing all of them: tests/test_conformance.py."""
@@ -11,8 +11,8 @@ import pytest
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.prefix_manager import PrefixCachingManager
+from kvchaos.harness.conformance.suite import run_conformance
 from kvchaos.harness.tools import canaries
-from kvchaos.harness.tools.conformance import run_conformance
 
 TABLE = ("table_rows", "resize")
 EXAMPLES = 100  # each caught on seeds 0-7 at 100 (a decode batch of two: 6 of 8 at 60)

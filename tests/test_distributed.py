@@ -17,8 +17,8 @@ from kvchaos.engine.cluster import Cluster
 from kvchaos.engine.distributed import DistEngine
 from kvchaos.engine.follower import TEST_FAULT_ENV
 from kvchaos.engine.shard import StaleTable
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario, parse_scenario
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario, parse_scenario
 
 pytestmark = pytest.mark.distributed
 

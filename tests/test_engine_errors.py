@@ -21,7 +21,7 @@ from kvchaos.engine import (
     State,
 )
 from kvchaos.engine.config import blocks_in_budget, kv_bytes_per_block
-from kvchaos.harness.judge.oracle import Oracle
+from kvchaos.harness.run.oracle import Oracle
 
 VOCAB = 61
 MODEL = tiny_model(VOCAB)

@@ -1,7 +1,7 @@
 """The paged engine against the contiguous-cache oracle on seeded random workloads.
 
 Every logit row the engine emits (StepOutput.logits) is collected per request; after the run each
-request, finished or cancelled, is replayed by kvchaos.harness.judge.oracle.Oracle (teacher
+request, finished or cancelled, is replayed by kvchaos.harness.run.oracle.Oracle (teacher
 forcing on the engine's own tokens) and must not diverge. Workloads cover staggered arrivals,
 chunked prefill, preemption on a small pool, forks that share blocks (copy-on-write) and cancels
 in every state.
@@ -18,7 +18,7 @@ import torch
 from tiny_model import tiny_model
 
 from kvchaos.engine import CacheConfig, Engine, EngineConfig, State
-from kvchaos.harness.judge.oracle import Oracle
+from kvchaos.harness.run.oracle import Oracle
 
 MODEL = tiny_model(97, 256)
 

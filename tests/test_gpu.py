@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig  # noqa: E402
-from kvchaos.harness.judge.oracle import Oracle  # noqa: E402
+from kvchaos.harness.run.oracle import Oracle  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
 MODEL = ModelConfig(
@@ -192,9 +192,9 @@ def test_invalidated_staging_is_pageable_cuda():
 )
 def test_staging_stall_scenario_cuda(tmp_path, name, expect_realloc):
     pytest.importorskip("pydantic", reason="scenario files need pydantic")
-    from kvchaos.harness.judge.history import read_history
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.history.log import read_history
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import load_scenario
 
     sc = load_scenario(name)
     r = run_scenario(sc, sc.scenario.seeds[0], device="cuda", report_dir=tmp_path)
@@ -211,7 +211,7 @@ def test_staging_stall_scenario_cuda(tmp_path, name, expect_realloc):
 
 @gpu
 def test_nvml_telemetry_has_gpu_fields():
-    from kvchaos.harness.judge.telemetry import Telemetry
+    from kvchaos.harness.run.telemetry import Telemetry
 
     tel = Telemetry("cuda")
     assert tel.available, tel.reason

@@ -1,4 +1,4 @@
-"""Isolated runs (kvchaos.harness.tools.isolate): each run in a fresh worker process, so a block
+"""Isolated runs (kvchaos.harness.run.isolate): each run in a fresh worker process, so a block
 manager that hangs, calls os._exit or segfaults still gets a verdict, with the history up to that
 point and the findings made before it, and the batch goes on. Inside a call into the manager it is
 a FAIL finding naming the call; anywhere else, ERROR. No run leaves state to the next."""
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvchaos.harness.check.verdict import EXIT_CODES
 from kvchaos.harness.cli import main
-from kvchaos.harness.judge.history import read_history
-from kvchaos.harness.judge.verdict import EXIT_CODES
+from kvchaos.harness.history.log import read_history
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # tests/managers.py, named by spec (the workers inherit sys.path)
@@ -231,7 +231,7 @@ def test_scenario_items_run_under_pytest_xdist(tmp_path):
 
 
 def test_the_check_before_any_run_survives_a_manager_that_hangs_or_exits(tmp_path, capsys):
-    from kvchaos.harness.tools.isolate import validate_isolated
+    from kvchaos.harness.run.isolate import validate_isolated
 
     with pytest.raises(ValueError, match="did not finish within 2 s"):
         validate_isolated("managers:HangsWhenBuilt", timeout_s=2)

@@ -1,4 +1,4 @@
-"""The kv_reads checker (harness/judge/cache_checks.py): a wrong read becomes a finding that names
+"""The kv_reads checker (harness/check/cache_checks.py): a wrong read becomes a finding that names
 the request that READ it (never a bystander holding the block), its block, writer and hit; an
 unexplained one FAILs the run like any finding; table_overflow and ordering_race explain the
 reads their defects cause; the record is off (not judged) without a prefix cache. In runs: the
@@ -13,9 +13,10 @@ import torch
 from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig
 from kvchaos.faults.ordering_race import OrderingRace
 from kvchaos.faults.table_overflow import TableOverflow
-from kvchaos.harness.judge.cache_checks import check_kv_reads
-from kvchaos.harness.judge.runner import evaluate, run_scenario
-from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
+from kvchaos.harness.check.cache_checks import check_kv_reads
+from kvchaos.harness.check.evaluate import evaluate
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario, parse_scenario
 from tests.managers import HitPastItsMatch
 
 

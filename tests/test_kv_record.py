@@ -1,11 +1,11 @@
-"""The per-block writer record (harness/judge/kv_record.py): a read is right iff the slot holds KV
+"""The per-block writer record (harness/run/kv_record.py): a read is right iff the slot holds KV
 for the reader's own position and whole prefix, whoever wrote it; a wrong read names its reader,
 the block and the writer; copy-on-write, taint, torn steps and rank mirroring; and the version
 cache keeps a long decode's cost to the blocks that changed."""
 
 from __future__ import annotations
 
-from kvchaos.harness.judge.kv_record import Identities, KVRecord, RankRecords
+from kvchaos.harness.run.kv_record import Identities, KVRecord, RankRecords
 
 BS = 4
 

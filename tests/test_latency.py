@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from kvchaos.engine.cluster import Cluster
-from kvchaos.harness.judge.checkers import check_latency
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import load_scenario
+from kvchaos.harness.check.checkers import check_latency
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario
 
 MS = 1e-3
 

@@ -1,5 +1,6 @@
-"""The house's rules, checked on the source: imports run one way (doors -> tools -> report -> judge
--> faults -> engine), and no module grows past one idea's size."""
+"""The house's rules, checked on the source: imports run one way, along the pipeline (doors ->
+tools -> run -> report -> check -> history -> scenario -> faults -> engine), and no module grows
+past one idea's size."""
 
 from __future__ import annotations
 
@@ -9,22 +10,30 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# room -> the rooms it may import from (besides itself)
+# room -> the rooms it may import from (besides itself). The pipeline's stages, each reading only
+# the ones below it: a scenario is run into a history, the history is checked, the checks are
+# reported. check never imports run (it judges a history, however made); report never imports
+# run (analyze is history -> check -> report).
+_BELOW = ["engine", "faults", "harness.scenario", "harness.history", "harness.check"]
 ALLOWED = {
     "engine": set(),
     "faults": {"engine"},
-    "harness.judge": {"faults", "engine"},
-    "harness.report": {"harness.judge", "faults", "engine"},
-    "harness.tools": {"harness.report", "harness.judge", "faults", "engine"},
-    "harness.bench": {"harness.report", "harness.judge", "faults", "engine"},
+    "harness.scenario": {"faults", "engine"},
+    "harness.history": {"engine"},
+    "harness.check": set(_BELOW) - {"harness.check"},
+    "harness.report": set(_BELOW),
+    "harness.run": {*_BELOW, "harness.report"},  # the worker renders its run's reports
+    "harness.conformance": {*_BELOW, "harness.run"},
+    "harness.tools": {*_BELOW, "harness.report", "harness.run", "harness.conformance"},
+    "harness.bench": {*_BELOW, "harness.report", "harness.run"},
     "harness.adapters": {"engine"},  # a real engine's manager as a block manager
     "harness.doors": {
-        "harness.tools",
+        *_BELOW,
         "harness.report",
-        "harness.judge",
+        "harness.run",
+        "harness.conformance",
+        "harness.tools",
         "harness.bench",
-        "faults",
-        "engine",
     },
 }
 DOORS = {"cli.py", "pytest_plugin.py", "__init__.py"}
@@ -81,4 +90,4 @@ def test_the_rule_itself_can_fire(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from kvchaos.harness.report.render import publish\n")
     assert _imports(bad) == {"harness.report.render"}
-    assert _target_room("harness.report.render") not in ALLOWED["harness.judge"]
+    assert _target_room("harness.report.render") not in ALLOWED["harness.check"]

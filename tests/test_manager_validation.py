@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvchaos.harness.cli import main
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import load_scenario
-from kvchaos.harness.judge.user_code import validate_manager
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.scenario.spec import load_scenario
 
 TESTS = Path(__file__).parent
 KVCHAOS = Path(sys.executable).parent / "kvchaos"

@@ -3,8 +3,8 @@ output diverged, at or after the finding, is one the finding touches."""
 
 from __future__ import annotations
 
-from kvchaos.harness.judge.findings import CheckResult, Finding
-from kvchaos.harness.judge.runner import mark_manifest
+from kvchaos.harness.check.evaluate import mark_manifest
+from kvchaos.harness.check.findings import CheckResult, Finding
 
 
 def diverged(req, at):

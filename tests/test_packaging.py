@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos.harness.judge.user_code import canonical_spec, second_copies
+from kvchaos.harness.run.user_code import second_copies
+from kvchaos.harness.scenario.managers import canonical_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = """

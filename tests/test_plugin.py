@@ -12,7 +12,7 @@ import hypothesis  # noqa: F401  imported here, so that pytester's in-process ru
 import pytest  # modules they import) do not import (and assertion-rewrite) them afresh each time
 
 import kvchaos.harness.cli  # noqa: F401
-import kvchaos.harness.judge.runner  # noqa: F401
+import kvchaos.harness.run.runner  # noqa: F401
 
 pytest_plugins = ["pytester"]
 

@@ -16,9 +16,9 @@ from kvchaos.faults import REGISTRY, make_fault
 from kvchaos.faults.base import ParamError
 from kvchaos.faults.plan import Plan
 from kvchaos.faults.prefix_cache import VARIANTS, PrefixCache, weak_hash
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import ScenarioError, load_scenario, parse_scenario
 from kvchaos.harness.report.incident import build_incidents
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import ScenarioError, load_scenario, parse_scenario
 from kvchaos.harness.tools.fingerprint import fingerprints
 
 CFG = EngineConfig(
@@ -234,8 +234,8 @@ def test_explains_credits_the_readers_never_a_bystander(f, how):
 def test_a_read_two_planted_faults_explain_is_a_catch_for_each():
     """A kv_reads finding that table_overflow (its block once touched) and prefix_cache (the
     request it served wrong KV) both explain as their cause counts for both: neither is MISSED."""
-    from kvchaos.harness.judge.findings import CheckResult, Finding
-    from kvchaos.harness.judge.verdict import decide
+    from kvchaos.harness.check.findings import CheckResult, Finding
+    from kvchaos.harness.check.verdict import decide
 
     sc = parse_scenario(
         {

@@ -125,9 +125,9 @@ def test_prefix_caching_is_on_by_default_and_in_the_config_hash():
 
 @pytest.mark.parametrize("name", ["shared", "multiturn", "samples", "segments"])
 def test_prefix_workloads_pass_with_the_cache_on_and_report_a_hit_rate(name, tmp_path):
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import load_scenario
     from kvchaos.harness.report.render import publish
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import load_scenario
 
     sc = load_scenario(f"scenarios/prefix-{name}-clean.toml")
     assert sc.engine["cache"]["prefix_caching"] is True

@@ -15,9 +15,9 @@ import pytest
 import tomllib
 
 from kvchaos.harness.cli import main as cli_main
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
-from kvchaos.harness.judge.toml_writer import dumps
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import BUILTIN_DIR, load_scenario
+from kvchaos.harness.scenario.toml_writer import dumps
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.replay import replay
 from kvchaos.harness.tools.shrink import add_arguments as shrink_arguments

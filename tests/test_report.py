@@ -15,13 +15,13 @@ import pytest
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.faults import REGISTRY
 from kvchaos.harness.cli import main as cli_main
-from kvchaos.harness.judge.history import read_history
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
+from kvchaos.harness.history.log import read_history
 from kvchaos.harness.report import index as report_index
 from kvchaos.harness.report import render
 from kvchaos.harness.report.paths import rel, rel_command
 from kvchaos.harness.report.render import publish
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario, parse_scenario
 
 SECTIONS = (
     "Verdict, Summary, Impact, Trigger, Detection, Root cause, Remediation, Timeline, "

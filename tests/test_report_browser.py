@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import load_scenario
 from kvchaos.harness.report import render
 from kvchaos.harness.report.render import publish
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario
 
 CHROMIUM = next(
     (p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and Path(p).is_file()),

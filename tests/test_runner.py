@@ -12,11 +12,11 @@ import pytest
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.protocols import BlockManagerProtocol
-from kvchaos.harness.judge.checkers import run_checkers
-from kvchaos.harness.judge.history import UNSTABLE_KEYS, deterministic_digest, read_history
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
+from kvchaos.harness.check.checkers import run_checkers
+from kvchaos.harness.history.log import UNSTABLE_KEYS, deterministic_digest, read_history
 from kvchaos.harness.report.render import publish
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario, parse_scenario
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
 
@@ -103,8 +103,8 @@ def test_same_scenario_and_seed_give_the_same_history(tiny, tmp_path):
 def test_checkers_judge_a_history_read_back_as_they_did_in_memory(name, tmp_path):
     """In memory a snapshot's unchanged fields are the very objects of the one before, and
     checkers skip what they judged already: read back, nothing is shared; the same findings."""
-    from kvchaos.harness.judge.runner import evaluate
-    from kvchaos.harness.judge.scenario import BUILTIN_DIR
+    from kvchaos.harness.check.evaluate import evaluate
+    from kvchaos.harness.scenario.spec import BUILTIN_DIR
 
     sc = load_scenario(BUILTIN_DIR / f"{name}.toml")
     r = run_scenario(sc, 1, report_dir=tmp_path)
@@ -121,7 +121,7 @@ def test_checkers_judge_a_history_read_back_as_they_did_in_memory(name, tmp_path
 def test_the_digest_of_events_in_memory_is_that_of_their_lines_read_back(tmp_path):
     """What orjson cannot encode (an int past 64 bits, a lone surrogate) takes the standard
     encoder; NaN, int keys, tuples and unstable fields hash the same in memory and read back."""
-    from kvchaos.harness.judge.history import History
+    from kvchaos.harness.history.log import History
 
     events = [
         {"e": "run_start", "step": 0, "time": "now", "config": {"a": (1, 2)}},
@@ -209,7 +209,7 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
 ):
     """The oracle checks requests in batches; a failure at the run's end (here the final snapshot)
     must not take the queued checks with it, and Ctrl-C while checking still leaves the record."""
-    from kvchaos.harness.judge.live import LiveRun
+    from kvchaos.harness.run.live import LiveRun
 
     clean = run_scenario(tiny, 0, report_dir=tmp_path / "clean")
     checked = {
@@ -233,7 +233,7 @@ def test_every_request_that_produced_tokens_reaches_the_oracle_even_when_the_end
 
     monkeypatch.setattr(LiveRun, "snapshot", real)
     monkeypatch.setattr(
-        "kvchaos.harness.judge.oracle.Oracle.check_many",
+        "kvchaos.harness.run.oracle.Oracle.check_many",
         lambda self, items, **kw: (_ for _ in ()).throw(KeyboardInterrupt),
     )
     r = run_scenario(tiny, 0, report_dir=tmp_path / "interrupted")

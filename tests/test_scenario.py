@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvchaos.faults import REGISTRY, make_fault
-from kvchaos.harness.judge.scenario import (
+from kvchaos.harness.run.workload import build_plan
+from kvchaos.harness.scenario.spec import (
     BUILTIN_DIR,
     CHECKERS,
     ScenarioError,
@@ -19,7 +20,6 @@ from kvchaos.harness.judge.scenario import (
     parse_scenario,
     read_lengths,
 )
-from kvchaos.harness.judge.workload import build_plan
 
 HEAD = '[scenario]\nname = "bad"\n'
 
@@ -338,7 +338,7 @@ def test_parse_scenario_of_a_dict_names_its_source():
 
 
 def test_unknown_checker_list_matches_the_checkers():
-    from kvchaos.harness.judge.checkers import CHECKERS as RUN
+    from kvchaos.harness.check.checkers import CHECKERS as RUN
 
     assert list(CHECKERS) == list(RUN)
 

@@ -13,7 +13,7 @@ import pytest
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.harness.cli import main
-from kvchaos.harness.judge.scenario import load_scenario
+from kvchaos.harness.scenario.spec import load_scenario
 from kvchaos.harness.tools import selftest
 from kvchaos.harness.tools.canaries import CANARIES
 from kvchaos.harness.tools.selftest import CRASH, FINDING, SURVIVED, Kill, classify, hunt

@@ -23,9 +23,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvchaos.faults import REGISTRY
+from kvchaos.harness.check.verdict import EXIT_CODES
 from kvchaos.harness.cli import main as cli_main
-from kvchaos.harness.judge.scenario import parse_scenario
-from kvchaos.harness.judge.verdict import EXIT_CODES
+from kvchaos.harness.scenario.spec import parse_scenario
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import main as ledger_main
 from kvchaos.harness.tools.ledger import parse_keep, parse_size

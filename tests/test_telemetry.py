@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from kvchaos.harness.judge import telemetry
-from kvchaos.harness.judge.telemetry import Telemetry
+from kvchaos.harness.run import telemetry
+from kvchaos.harness.run.telemetry import Telemetry
 
 
 class FakeNVMLError(Exception):
@@ -140,9 +140,9 @@ def test_switched_off_by_env(monkeypatch):
 
 
 def test_runner_history_carries_telemetry(monkeypatch, tmp_path):
-    from kvchaos.harness.judge.history import read_history
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.history.log import read_history
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import load_scenario
 
     sc = load_scenario("table-overflow-clean")
     monkeypatch.setenv("KVCHAOS_TELEMETRY_EVERY", "5")

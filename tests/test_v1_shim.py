@@ -20,8 +20,8 @@ from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.protocols import KVManager
 from kvchaos.engine.tables import BuiltTable, OwnedTable
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import BUILTIN_DIR, load_scenario
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
 

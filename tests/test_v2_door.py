@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvchaos.harness.cli import main
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import BUILTIN_DIR, load_scenario
-from kvchaos.harness.judge.user_code import validate_manager
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.scenario.spec import BUILTIN_DIR, load_scenario
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # tests/managers.py, named by spec
@@ -65,7 +65,7 @@ def test_kvchaos_run_takes_a_v2_manager_by_spec(tmp_path, monkeypatch, capsys):
 
 
 def test_conformance_drives_a_v2_manager_in_v2_calls():
-    from kvchaos.harness.tools.conformance import run_conformance
+    from kvchaos.harness.conformance.suite import run_conformance
 
     ok = {r.name: r.status for r in run_conformance(managers.PlainV2, examples=40)}
     assert ok["data"] == ok["release_reasons"] == ok["reserved_never_handed_out"] == "passed"

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchaos.harness.judge.checkers import CHECKERS, CheckResult, Finding
-from kvchaos.harness.judge.scenario import parse_scenario
-from kvchaos.harness.judge.verdict import (
+from kvchaos.harness.check.checkers import CHECKERS, CheckResult, Finding
+from kvchaos.harness.check.verdict import (
     ERROR,
     EXIT_CODES,
     FAIL,
@@ -21,6 +20,7 @@ from kvchaos.harness.judge.verdict import (
     decide,
     worst,
 )
+from kvchaos.harness.scenario.spec import parse_scenario
 
 
 def scenario(outcome="clean", faults=(), checkers=(), within=2):

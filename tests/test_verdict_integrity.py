@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos.harness.judge.runner import evaluate, run_scenario
-from kvchaos.harness.judge.scenario import load_scenario, parse_scenario
-from kvchaos.harness.judge.toml_writer import dumps
+from kvchaos.harness.check.evaluate import evaluate
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario, parse_scenario
+from kvchaos.harness.scenario.toml_writer import dumps
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py, named by spec
 
@@ -37,7 +38,7 @@ def edited(name: str, edit) -> object:
     """A built-in scenario with one change, as a user would write it."""
     import tomllib
 
-    from kvchaos.harness.judge.scenario import BUILTIN_DIR
+    from kvchaos.harness.scenario.spec import BUILTIN_DIR
 
     data = tomllib.loads((BUILTIN_DIR / f"{name}.toml").read_text())
     edit(data)
@@ -233,7 +234,7 @@ def test_edge_over_really_spills_by_one_block():
 
 
 def test_two_sequences_mapped_to_one_row_are_a_finding():
-    from kvchaos.harness.judge.checkers import check_table_integrity
+    from kvchaos.harness.check.checkers import check_table_integrity
 
     snap = {
         "e": "snapshot",

@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from kvchaos.harness.judge.history import History
-from kvchaos.harness.judge.live import LiveRun
-from kvchaos.harness.judge.runner import run_scenario
-from kvchaos.harness.judge.scenario import ScenarioError, load_scenario, parse_scenario
-from kvchaos.harness.judge.workload import build_plan
+from kvchaos.harness.history.log import History
 from kvchaos.harness.report.evidence import plan_line
+from kvchaos.harness.run.live import LiveRun
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.run.workload import build_plan
+from kvchaos.harness.scenario.spec import ScenarioError, load_scenario, parse_scenario
 
 PREFIX_SCENARIOS = [
     "prefix-shared-clean",

@@ -60,7 +60,7 @@ def stage_env(ctx: dict) -> dict:
             memory_gib=round(p.total_memory / 2**30, 1),
             l2_mib=getattr(p, "L2_cache_size", 0) / 2**20,
         )
-    from kvchaos.harness.judge.telemetry import Telemetry, _nvml
+    from kvchaos.harness.run.telemetry import Telemetry, _nvml
 
     tel = Telemetry(ctx["device"])
     info["telemetry"] = {**tel.status(), "sample": tel.sample()}
@@ -110,10 +110,10 @@ def stage_gpu_tests(ctx: dict) -> dict:
 
 def stage_scenarios(ctx: dict) -> dict:
     try:
-        from kvchaos.harness.judge.history import read_history
-        from kvchaos.harness.judge.runner import resolve_device, run_scenario
-        from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
+        from kvchaos.harness.history.log import read_history
         from kvchaos.harness.report.render import publish
+        from kvchaos.harness.run.runner import resolve_device, run_scenario
+        from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
     except ImportError as e:
         return {
             "status": UNAVAILABLE,

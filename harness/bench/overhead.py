@@ -15,12 +15,12 @@ def bench_harness_overhead(
     results, incidents, report.html) and the report index rebuilt once at the end."""
     import tempfile
 
-    from kvchaos.harness.judge.history import History
-    from kvchaos.harness.judge.live import LiveRun
-    from kvchaos.harness.judge.runner import run_scenario
-    from kvchaos.harness.judge.scenario import builtin_scenarios
+    from kvchaos.harness.history.log import History
     from kvchaos.harness.report.index import update_index
     from kvchaos.harness.report.render import publish
+    from kvchaos.harness.run.live import LiveRun
+    from kvchaos.harness.run.runner import run_scenario
+    from kvchaos.harness.scenario.spec import builtin_scenarios
 
     scs = [s for s in builtin_scenarios() if names is None or s.name in names]
     with tempfile.TemporaryDirectory() as tmp:

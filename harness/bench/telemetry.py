@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import time
 
-from kvchaos.harness.judge.runner import resolve_device, run_scenario
-from kvchaos.harness.judge.scenario import builtin_scenarios
-from kvchaos.harness.judge.telemetry import Telemetry
+from kvchaos.harness.run.runner import resolve_device, run_scenario
+from kvchaos.harness.run.telemetry import Telemetry
+from kvchaos.harness.scenario.spec import builtin_scenarios
 
 
 def measure_overhead(seeds_per_scenario: int | None = None, rounds: int = 1) -> dict:

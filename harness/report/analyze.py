@@ -9,17 +9,20 @@ import json
 from pathlib import Path
 
 from kvchaos.engine.errors import KVChaosError
-from kvchaos.harness.judge.history import check_history, deterministic_digest, read_history
-from kvchaos.harness.judge.verdict import EXIT_CODES, current
+from kvchaos.harness.check.evaluate import evaluate
+from kvchaos.harness.check.metrics import run_metrics
+from kvchaos.harness.check.verdict import EXIT_CODES, current
+from kvchaos.harness.history.log import check_history, deterministic_digest, read_history
 from kvchaos.harness.report.index import update_index
 from kvchaos.harness.report.render import write_reports
 from kvchaos.harness.report.view import RunView
+from kvchaos.harness.scenario.inputs import replay_command
 
 # -- kvchaos analyze ------------------------------------------------------------------------
 
 
 def _scenario_of(run_dir: Path, name: str | None):
-    from kvchaos.harness.judge.scenario import load_scenario
+    from kvchaos.harness.scenario.spec import load_scenario
 
     stored = run_dir / "scenario.toml"
     if stored.is_file():
@@ -53,8 +56,6 @@ def read_results(run_dir: Path) -> dict:
 def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict:
     """Re-check a stored run and rewrite its results and reports; returns the new results.
     index=False leaves the folder above's index alone (a batch rebuilds it once, at its end)."""
-    from kvchaos.harness.judge.runner import _metrics, evaluate, replay_command
-
     run_dir = Path(run_dir)
     if not (run_dir / "history.jsonl").exists():
         why = "no history.jsonl in it" if run_dir.is_dir() else "not a folder"
@@ -99,7 +100,7 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
         "fault_verify": verify,
         "checkers": [c.to_dict() for c in checks],
         "history_digest": deterministic_digest(events),
-        "metrics": _metrics(events),
+        "metrics": run_metrics(events),
         "exercised": verdict.exercised,
         "credits": verdict.credit_rows(),
         "replay": stored.get("replay") or replay_command(sc, seed, device),

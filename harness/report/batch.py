@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvchaos import __version__
-from kvchaos.harness.judge.verdict import EXIT_CODES, MEANING, worst
+from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, worst
 
 
 def details(r) -> str:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvchaos.harness.judge.user_code import REFERENCES
-from kvchaos.harness.judge.verdict import ERROR, FAIL, MEANING, current
+from kvchaos.harness.check.verdict import ERROR, FAIL, MEANING, current
 from kvchaos.harness.report.evidence import (
     detection,
     error_site,
@@ -17,6 +16,7 @@ from kvchaos.harness.report.impact import STRUCTURAL, impact_of
 from kvchaos.harness.report.paths import rel, rel_command
 from kvchaos.harness.report.timeline import timeline
 from kvchaos.harness.report.view import RunView
+from kvchaos.harness.scenario.managers import REFERENCES
 
 
 def _fault_knowledge(name: str | None, armed: dict) -> dict:

@@ -12,9 +12,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from kvchaos.harness.judge.user_code import REFERENCES, canonical_spec
-from kvchaos.harness.judge.verdict import current
+from kvchaos.harness.check.verdict import current
 from kvchaos.harness.report.render import template_env, write_atomic
+from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
 
 # -- index across runs ----------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ import os
 import re
 from pathlib import Path
 
-from kvchaos.harness.judge.history import read_history
-from kvchaos.harness.judge.verdict import PASS, current
+from kvchaos.harness.check.verdict import PASS, current
+from kvchaos.harness.history.log import read_history
 from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.report.paths import rel_command
 from kvchaos.harness.report.plots import plot_run

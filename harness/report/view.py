@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from kvchaos.harness.judge.user_code import REFERENCE, canonical_spec
+from kvchaos.harness.scenario.managers import REFERENCE, canonical_spec
 
 
 class RunView:

@@ -5,7 +5,7 @@ The soak deduplicates incidents by fingerprint; shrink keeps a run's primary fin
 
 from __future__ import annotations
 
-from kvchaos.harness.judge.verdict import ERROR, INCONCLUSIVE, MISSED, PASS
+from kvchaos.harness.check.verdict import ERROR, INCONCLUSIVE, MISSED, PASS
 
 
 def fingerprints(results: dict, faults: list[dict]) -> list[dict]:

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", type=int, required=True, help="the run's id in the ledger")
     p.add_argument("--out", default="-", help="the TOML file to write (default: stdout)")
     a = p.parse_args(argv)
-    from kvchaos.harness.judge.toml_writer import dumps
+    from kvchaos.harness.scenario.toml_writer import dumps
 
     try:
         db = sqlite3.connect(f"file:{a.ledger}?mode=ro", uri=True)

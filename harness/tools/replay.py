@@ -21,9 +21,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvchaos.harness.judge import inputs
-from kvchaos.harness.judge.history import UNSTABLE_KEYS, _stable_line, check_history, iter_history
-from kvchaos.harness.judge.user_code import REFERENCES, canonical_spec, validate_manager
+from kvchaos.harness.history.log import UNSTABLE_KEYS, _stable_line, check_history, iter_history
+from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
 
 EXIT_DIFFERENT = 1
 # Events that are the block manager's own answers: its snapshots and its refusals.
@@ -32,8 +33,8 @@ MANAGER_ANSWERS = ("snapshot", "snapshot_invalid", "sut_error")
 
 def load_run(run_dir: str | Path):
     """(Scenario, scenario dict, results) of a stored run; one clear error if it is not one."""
-    from kvchaos.harness.judge.scenario import ScenarioError, load_scenario, parse_scenario, tomllib
     from kvchaos.harness.report.analyze import read_results
+    from kvchaos.harness.scenario.spec import ScenarioError, load_scenario, parse_scenario, tomllib
 
     d = Path(run_dir)
     if not d.is_dir():
@@ -163,7 +164,7 @@ def replay(
 ) -> dict:
     """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}
     isolated: in a fresh worker with the fixed hash seed, as `kvchaos run` records runs."""
-    from kvchaos.harness.tools.isolate import run, validate_isolated
+    from kvchaos.harness.run.isolate import run, validate_isolated
 
     sc, _, results = load_run(run_dir)
     device = device or results["device"]

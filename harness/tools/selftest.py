@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 from kvchaos import __version__
 from kvchaos.engine.errors import KVChaosError
-from kvchaos.harness.judge import inputs
-from kvchaos.harness.judge.verdict import ERROR, FAIL
+from kvchaos.harness.check.verdict import ERROR, FAIL
+from kvchaos.harness.scenario import inputs
 from kvchaos.harness.tools.canaries import CANARIES, Canary
 
 EXIT_NOT_KILLED = 1  # a canary survived, only crashed, or broke the harness
@@ -81,7 +81,7 @@ def classify(r) -> tuple[str, object | None]:
 
 def hunt(name: str, family: str, bug: str, manager, jobs, device: str = "cpu", stop=True) -> Kill:
     """Run manager on (scenario, seed) jobs until one FAILs on a finding (stop=False: all)."""
-    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.run.runner import run_scenario
 
     k, t0 = Kill(name, family, bug), time.perf_counter()
     for sc, seed in jobs:
@@ -101,7 +101,7 @@ def hunt(name: str, family: str, bug: str, manager, jobs, device: str = "cpu", s
 
 def clean_scenarios(names: list[str] | None):
     """The built-in clean scenarios, or the named ones (each must expect "clean")."""
-    from kvchaos.harness.judge.scenario import builtin_scenarios, load_scenario
+    from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
 
     if not names:
         return [s for s in builtin_scenarios() if s.expect.outcome == "clean"]
@@ -245,7 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from kvchaos.harness.judge.runner import resolve_device
+    from kvchaos.harness.run.runner import resolve_device
 
     canaries, seeds = pick_canaries(args.canary), parse_seeds(args.seeds)
     scenarios, device = clean_scenarios(args.scenario), resolve_device(args.device)

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from kvchaos.harness.judge import inputs
-from kvchaos.harness.judge.scenario import MAX_NAME
-from kvchaos.harness.judge.verdict import EXIT_CODES, MISSED, PASS, current
+from kvchaos.harness.check.verdict import EXIT_CODES, MISSED, PASS, current
+from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario.spec import MAX_NAME
 
 EXIT_NOT_REPRODUCED = 1
 MAX_ARRIVAL_RATE = 64.0
@@ -206,7 +206,7 @@ class _Ctx:
 
 
 def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float, setup: dict) -> dict:
-    from kvchaos.harness.judge.runner import run_scenario
+    from kvchaos.harness.run.runner import run_scenario
     from kvchaos.harness.tools.fingerprint import fingerprints
 
     r = run_scenario(sc, seed, device, None, timeout_s=timeout_s, **setup)
@@ -249,7 +249,7 @@ def shrink(
     """(minimal scenario dict, its outcome, runs used). target: the outcome to keep; first: the
     outcome of re-running data as it is (one run, counted). setup: the recorded block manager
     and ranks (run_scenario keywords)."""
-    from kvchaos.harness.judge.scenario import ScenarioError, parse_scenario
+    from kvchaos.harness.scenario.spec import ScenarioError, parse_scenario
 
     best, best_out, runs = copy.deepcopy(data), first, 1
     seen = {json.dumps(best, sort_keys=True)}
@@ -354,7 +354,7 @@ def write_outputs(
     runs: int,
     setup: dict | None = None,
 ) -> dict:
-    from kvchaos.harness.judge.toml_writer import dumps
+    from kvchaos.harness.scenario.toml_writer import dumps
 
     out_dir = run_dir / "minimal"
     out_dir.mkdir(exist_ok=True)
@@ -446,7 +446,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from kvchaos.harness.judge.user_code import validate_manager
+    from kvchaos.harness.run.user_code import validate_manager
     from kvchaos.harness.tools.fingerprint import fingerprints
     from kvchaos.harness.tools.replay import load_run, recorded_setup
 

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import psutil
 
-from kvchaos.harness.judge import inputs
-from kvchaos.harness.judge.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
+from kvchaos.harness.check.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
 from kvchaos.harness.report.paths import report_dir_problem
+from kvchaos.harness.scenario import inputs
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import (
     Keeper,
@@ -98,7 +98,7 @@ def _incident(seed: int, run_dir: str, step: int, count: int) -> dict:
 # -- the soak ---------------------------------------------------------------------------------
 class Soak:
     def __init__(self, args) -> None:
-        from kvchaos.harness.judge.runner import git_commit, resolve_device
+        from kvchaos.harness.run.runner import git_commit, resolve_device
 
         self.budget = parse_budget(args.budget)
         self.shard = parse_shard(args.shard)
@@ -158,7 +158,7 @@ class Soak:
 
     # -- one run ----------------------------------------------------------------------------
     def _job(self, k: int) -> dict:
-        from kvchaos.harness.judge.scenario import parse_scenario
+        from kvchaos.harness.scenario.spec import parse_scenario
 
         seed = shard_seed(self.seed_start, k, self.shard)
         data = generate_scenario(seed)
@@ -175,7 +175,7 @@ class Soak:
     def _run(self, job: dict, timeout_s: float, tick) -> dict:
         """One run, as `kvchaos run` makes it (the run folder's scenario.toml its one copy): what
         the ledger keeps of it; "ended": how its worker ended when it gave no record, else None."""
-        from kvchaos.harness.tools.isolate import run_isolated
+        from kvchaos.harness.run.isolate import run_isolated
 
         batch = f"soak-{self.dir.name}"  # the report index groups the soak's runs
         r = run_isolated(

@@ -9,7 +9,7 @@ import re
 import shlex
 from pathlib import Path
 
-from kvchaos.harness.judge.verdict import (
+from kvchaos.harness.check.verdict import (
     ERROR,
     EXIT_CODES,
     FAIL,

@@ -36,7 +36,7 @@ VALIDATE_TIMEOUT_S = 60.0  # the block manager's check before any run (a tiny po
 INTERRUPT_GRACE_S = 30.0  # after Ctrl-C: for the worker to record the run as interrupted
 WAIT_TICK_S = 0.5  # how often on_wait is called while a worker runs
 HASH_SEED = "0"
-PRELOAD = ["kvchaos.harness.tools.isolate_preload"]  # what the fork server imports once
+PRELOAD = ["kvchaos.harness.run.isolate_preload"]  # what the fork server imports once
 PAGE_SIZE = 4096
 _HEAD = struct.Struct("<Id")  # the call's length in bytes (0: none in progress), its start time
 
@@ -117,8 +117,8 @@ def _worker(job: Job, conn) -> None:
     import traceback
 
     from kvchaos.engine.boundary import Boundary
-    from kvchaos.harness.judge.runner import run_scenario
     from kvchaos.harness.report.render import publish
+    from kvchaos.harness.run.runner import run_scenario
 
     seed = os.environ.get("PYTHONHASHSEED")
     os.environ.clear()  # the parent's environment as of this run (KVCHAOS_PLOTS, ...)
@@ -167,7 +167,7 @@ def start_server(block_manager: str | None = None):
     context."""
     from multiprocessing import forkserver
 
-    from kvchaos.harness.judge.user_code import ALIASES
+    from kvchaos.harness.scenario.managers import ALIASES
 
     ctx = mp.get_context("forkserver")
     adapter = [ALIASES[block_manager].partition(":")[0]] if block_manager in ALIASES else []
@@ -222,8 +222,8 @@ def run(sc, seed: int, *, isolated: bool = True, cluster=None, batch=None, **kw)
     process (cluster: a distributed Cluster to reuse there). kw: run_isolated's."""
     if isolated and kw.get("report_dir") is not None and in_process_reason() is None:
         return run_isolated(sc, seed, batch=batch, **kw)
-    from kvchaos.harness.judge.runner import run_scenario
     from kvchaos.harness.report.render import publish
+    from kvchaos.harness.run.runner import run_scenario
 
     return publish(run_scenario(sc, seed, cluster=cluster, **kw), index=False, batch=batch)
 
@@ -244,7 +244,7 @@ def run_isolated(
     """Run one scenario with one seed in a fresh worker; returns its RunResult (without the
     events: they are in run_dir/history.jsonl), its reports written. timeout_s=None: no limit.
     on_wait(): called about every WAIT_TICK_S while the worker runs (a live display)."""
-    from kvchaos.harness.judge.runner import make_run_dir, resolve_device
+    from kvchaos.harness.run.runner import make_run_dir, resolve_device
 
     ctx = start_server()
     device = resolve_device(device)
@@ -316,7 +316,7 @@ def validate_isolated(spec: str, timeout_s: float = VALIDATE_TIMEOUT_S) -> None:
 
 
 def _validate(spec: str, cwd: str, conn) -> None:
-    from kvchaos.harness.judge.user_code import validate_manager
+    from kvchaos.harness.run.user_code import validate_manager
 
     os.chdir(cwd)  # where the caller runs: a module there is importable, as in a run
     try:
@@ -408,12 +408,12 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
     (a finding when inside a call into the manager, else an error), re-checked as analyze does."""
     import json
 
-    from kvchaos.harness.judge.findings import Finding
-    from kvchaos.harness.judge.history import read_history
-    from kvchaos.harness.judge.runner import RunResult, git_commit, replay_command
-    from kvchaos.harness.judge.user_code import REFERENCE
+    from kvchaos.harness.check.findings import Finding
+    from kvchaos.harness.history.log import read_history
     from kvchaos.harness.report.analyze import analyze
     from kvchaos.harness.report.index import point_latest
+    from kvchaos.harness.run.runner import RunResult, git_commit, replay_command
+    from kvchaos.harness.scenario.managers import REFERENCE
 
     run_dir, sc = job.run_dir, job.scenario
     history = run_dir / "history.jsonl"

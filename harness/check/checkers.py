@@ -9,11 +9,11 @@ import operator
 import traceback
 from typing import Callable
 
-from kvchaos.harness.judge.accounting import check_block_accounting
-from kvchaos.harness.judge.cache_checks import check_kv_reads, check_prefix_cache
-from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
-from kvchaos.harness.judge.latency import check_latency
-from kvchaos.harness.judge.manager_checks import check_admission, check_manager_calls
+from kvchaos.harness.check.accounting import check_block_accounting
+from kvchaos.harness.check.cache_checks import check_kv_reads, check_prefix_cache
+from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.latency import check_latency
+from kvchaos.harness.check.manager_checks import check_admission, check_manager_calls
 
 
 def check_oracle_divergence(events: list[dict]) -> CheckResult:

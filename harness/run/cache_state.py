@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from hashlib import blake2b
 
-from kvchaos.harness.judge.kv_record import KVRecord
+from kvchaos.harness.run.kv_record import KVRecord
 
 MAX_TOLD = 64  # cache_mismatch events a run writes (a cache gone stale has hundreds of entries)
 

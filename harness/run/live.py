@@ -14,15 +14,15 @@ from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import InvalidRequest, RequestRejected
 from kvchaos.engine.sequence import State
 from kvchaos.faults import make_fault
-from kvchaos.harness.judge.cache_state import CacheWatch
-from kvchaos.harness.judge.history import History
-from kvchaos.harness.judge.kv_record import RankRecords
-from kvchaos.harness.judge.oracle import Oracle
-from kvchaos.harness.judge.reference import cross_check
-from kvchaos.harness.judge.scenario import Scenario
-from kvchaos.harness.judge.snapshots import judge
-from kvchaos.harness.judge.telemetry import Telemetry
-from kvchaos.harness.judge.workload import build_plan
+from kvchaos.harness.check.snapshots import judge
+from kvchaos.harness.history.log import History
+from kvchaos.harness.run.cache_state import CacheWatch
+from kvchaos.harness.run.kv_record import RankRecords
+from kvchaos.harness.run.oracle import Oracle
+from kvchaos.harness.run.reference import cross_check
+from kvchaos.harness.run.telemetry import Telemetry
+from kvchaos.harness.run.workload import build_plan
+from kvchaos.harness.scenario.spec import Scenario
 
 # Requests that produce no more tokens wait for the oracle in a queue, checked in padded passes
 # of up to this many (the reference model's cost is mostly per op); the rest at the run's end.

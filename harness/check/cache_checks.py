@@ -1,11 +1,11 @@
 """Checkers of what a prefix cache served (docs/protocol-v2.md sections 3 and 4). `kv_reads`: the
-per-block writer record's kv_read events (harness/judge/kv_record.py) become findings that name
+per-block writer record's kv_read events (harness/run/kv_record.py) become findings that name
 the request whose attention READ the wrong KV, the block, its writer and the hit that served it.
 A holder that never read the slot is named nowhere."""
 
 from __future__ import annotations
 
-from kvchaos.harness.judge.findings import CheckResult, Finding, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, _result
 
 KINDS = ("wrong_read", "unwritten_read", "poisoned_read")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
 
 
 def _rolling_min(xs: list[float], w: int) -> list[float]:

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
-from kvchaos.harness.judge import footprint
+from kvchaos.harness.scenario import footprint
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 CHECKERS = (

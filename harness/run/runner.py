@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 
 from kvchaos.engine.boundary import ManagerError, describe
-from kvchaos.harness.judge.checkers import run_checkers
-from kvchaos.harness.judge.exercised import exercised
-from kvchaos.harness.judge.history import History
-from kvchaos.harness.judge.live import LiveRun
-from kvchaos.harness.judge.scenario import Scenario, ScenarioError
-from kvchaos.harness.judge.toml_writer import dumps
-from kvchaos.harness.judge.user_code import REFERENCE, load_object, reference_spec
-from kvchaos.harness.judge.verdict import decide
+from kvchaos.harness.check.evaluate import evaluate
+from kvchaos.harness.check.metrics import run_metrics
+from kvchaos.harness.history.log import History
+from kvchaos.harness.run.live import LiveRun
+from kvchaos.harness.run.user_code import load_object
+from kvchaos.harness.scenario.inputs import replay_command
+from kvchaos.harness.scenario.managers import REFERENCE, reference_spec
+from kvchaos.harness.scenario.spec import Scenario, ScenarioError
+from kvchaos.harness.scenario.toml_writer import dumps
 
 DEFAULT_REPORT_DIR = Path("reports")
 
@@ -228,7 +229,7 @@ def run_scenario(
         "history_digest": history.digest(),
         # what orders the manager's sets and dicts of strings: fixed in an isolated worker
         "python_hash_seed": os.environ.get("PYTHONHASHSEED") or "random",
-        "metrics": _metrics(events),
+        "metrics": run_metrics(events),
         "exercised": v.exercised,
         "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
     }
@@ -260,108 +261,3 @@ def _failure(history: History, ex: BaseException, step: int) -> dict | None:
     error = {"error": type(ex).__name__, "message": str(ex), "traceback": traceback.format_exc()}
     history.append({"e": "error", "step": step, **error})
     return error
-
-
-def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None, disabled=()):
-    """Checkers + verdict from a history: how a run ends, and what `kvchaos analyze` recomputes.
-    disabled: checkers switched off (what a verdict is without them)."""
-    checks = run_checkers(
-        events,
-        {
-            "latency": {"slo_ratio": sc.run.latency_slo_ratio, "signal": sc.run.latency_signal},
-            "liveness": {"bound_steps": sc.run.liveness_bound_steps},
-        },
-        disabled,
-    )
-    mark_manifest(checks, events)
-    tokens = sum(len(e.get("tokens", {})) for e in events if e.get("e") == "step")
-    v = decide(sc, checks, verify, error, {"tokens": tokens})
-    v.exercised = exercised(events)
-    if v.verdict == "PASS" and v.exercised["not_exercised"]:  # a PASS says what it did not cover
-        v.summary += f"; not exercised: {', '.join(v.exercised['not_exercised'])}"
-    ended = [f for c in checks for f in c.findings if f.kind in ("hang", "died")]
-    if ended and ended[0].message not in v.summary:  # how the run ended, after its first finding
-        v.summary += f"; the run ended: {ended[0].message}"
-    return checks, v
-
-
-def mark_manifest(checks: list, events: list[dict]) -> None:
-    """Manifest: a request whose output diverged, at or after the finding, is one the finding
-    touches (its request, the owner of its row, the requests live at its step). Otherwise latent:
-    findings that name no request (an end-of-run leak, a row nobody owns) stay latent."""
-    diverged = {
-        e["req"]: e.get("divergence_step") or 0
-        for e in events
-        if e.get("e") == "oracle" and e.get("first_divergence") is not None
-    }
-    live = {e["step"]: e.get("live", []) for e in events if e.get("e") == "snapshot"}
-    for c in checks:
-        for f in c.findings:
-            if c.checker in ("oracle_divergence", "latency", "liveness", "manager_calls"):
-                continue  # divergence is manifest by definition; the others judge no output
-            ev = f.evidence
-            reqs = {ev.get(k) for k in ("req", "owner")} - {None}
-            if c.checker == "cross_rank":
-                reqs |= set(live.get(f.step, []))
-            f.manifest = any(diverged.get(r, -1) >= f.step for r in reqs)
-
-
-def replay_command(
-    sc: Scenario,
-    seed: int,
-    device: str,
-    block_manager_spec: str | None = None,
-    tp: dict | None = None,
-    run_dir: Path | None = None,
-) -> str:
-    if sc.source and Path(sc.source).exists():
-        target = sc.source
-    elif (
-        run_dir is not None
-    ):  # built in memory (a fixture's dict, a soak mix): the run folder's copy
-        target = str(run_dir / "scenario.toml")
-    else:
-        target = sc.name
-    bm = f" --block-manager {block_manager_spec}" if block_manager_spec else ""
-    tp = tp or {}
-    tp_flags = (f" --tp-mode {tp['tp_mode']}" if "tp_mode" in tp else "") + (
-        f" --world-size {tp['tp_size']}" if "tp_size" in tp else ""
-    )
-    return f"kvchaos run {target} --seed {seed} --device {device}{bm}{tp_flags}"
-
-
-def _metrics(events: list[dict]) -> dict:
-    steps = [e for e in events if e.get("e") == "step"]
-    if not steps:
-        return {}
-    lat = sorted(e["latency_s"] for e in steps)
-    toks = sum(len(e["tokens"]) for e in steps)
-    metrics = {
-        "steps": len(steps),
-        "tokens": toks,
-        "requests": sum(1 for e in events if e.get("e") == "submit"),
-        "rejected": sum(1 for e in events if e.get("e") == "reject"),
-        "cancelled": sum(1 for e in events if e.get("e") == "cancel"),
-        "latency_p50_ms": lat[len(lat) // 2] * 1e3,
-        "latency_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
-        "min_free_blocks": min(e["free_blocks"] for e in steps),
-        "engine_s": sum(e["latency_s"] for e in steps),
-    }
-    cache = prefix_cache_metrics(events)
-    return {**metrics, "prefix_cache": cache} if cache else metrics
-
-
-def prefix_cache_metrics(events: list[dict]) -> dict | None:
-    """Admissions and the tokens their cache hits served (None: the manager has no cache)."""
-    end = next((e for e in reversed(events) if e.get("e") == "run_end"), {})
-    c = end.get("counters", {})
-    if "admissions" not in c:
-        return None
-    known, hit = c["known_tokens"], c["hit_tokens"]
-    return {
-        "admissions": c["admissions"],
-        "known_tokens": known,
-        "hit_tokens": hit,
-        "hit_rate": round(hit / known, 4) if known else 0.0,
-        "hits_capped": c["hits_capped"],
-    }

@@ -9,7 +9,7 @@ declared, fork when declared; sequences end with every release reason, and some 
 The machine's record is content-addressed, as a model's KV is: a slot holds the KV of one prefix
 (the tokens up to its position), so a sequence reads right exactly when every computed position
 of it, cache hits included, holds its own prefix. After every call it judges PROPERTIES_V2;
-kvchaos.harness.tools.conformance runs it."""
+kvchaos.harness.conformance.suite runs it."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from kvchaos.engine.boundary import BadAnswer, check_answer, describe, state_cha
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.protocols import REASONS, capabilities
 from kvchaos.engine.tables import BuiltTable, OwnedTable
-from kvchaos.harness.judge.checkers import check_block_accounting, check_table_integrity
-from kvchaos.harness.judge.conformance import Judging, _guarded
-from kvchaos.harness.judge.conformance_table import TABLE_PROPERTIES, TableRules
-from kvchaos.harness.judge.snapshots import problem_seen
+from kvchaos.harness.check.checkers import check_block_accounting, check_table_integrity
+from kvchaos.harness.check.snapshots import problem_seen
+from kvchaos.harness.conformance.table import TABLE_PROPERTIES, TableRules
+from kvchaos.harness.conformance.v1 import Judging, _guarded
 
 # name -> (the capability it needs, or None for the core protocol; what it says)
 PROPERTIES_V2 = {

@@ -7,9 +7,10 @@ import argparse
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 from kvchaos.engine.errors import ConfigError, KVChaosError
-from kvchaos.harness.judge.scenario import check_seed
+from kvchaos.harness.scenario.spec import Scenario, check_seed
 
 MAX_SEEDS = 100_000  # a batch is one run per seed: more is a typo, not a plan
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -114,3 +115,27 @@ def check_overrides(scenarios, device: str, tp_mode: str | None, ranks: int | No
         except ConfigError as e:
             what = f"--world-size {ranks}" if ranks is not None else f"--tp-mode {tp_mode}"
             raise KVChaosError(f"{what}: scenario {sc.name}: {e}") from None
+
+
+def replay_command(
+    sc: Scenario,
+    seed: int,
+    device: str,
+    block_manager_spec: str | None = None,
+    tp: dict | None = None,
+    run_dir: Path | None = None,
+) -> str:
+    if sc.source and Path(sc.source).exists():
+        target = sc.source
+    elif (
+        run_dir is not None
+    ):  # built in memory (a fixture's dict, a soak mix): the run folder's copy
+        target = str(run_dir / "scenario.toml")
+    else:
+        target = sc.name
+    bm = f" --block-manager {block_manager_spec}" if block_manager_spec else ""
+    tp = tp or {}
+    tp_flags = (f" --tp-mode {tp['tp_mode']}" if "tp_mode" in tp else "") + (
+        f" --world-size {tp['tp_size']}" if "tp_size" in tp else ""
+    )
+    return f"kvchaos run {target} --seed {seed} --device {device}{bm}{tp_flags}"

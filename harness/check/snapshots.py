@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from itertools import chain
 
+from kvchaos.harness.history.cache import cache_delta, ints_in
+
 
 def judge(snap, engine, num_blocks: int, passed: dict | None = None):
     """judge_seen() against an engine: what its manager says and what it computed."""
@@ -62,39 +64,39 @@ def _problem(d: dict, num_blocks: int, free_count: int, block_size: int, compute
     n, free, refs = d.get("num_blocks"), d.get("free"), d.get("ref_counts")
     if n != num_blocks:
         return f"num_blocks is {n!r}, the pool was configured with {num_blocks}"
-    if not same("free") and (not _ints(free, 0, n) or len(set(free)) != len(free)):
+    if not same("free") and (not ints_in(free, 0, n) or len(set(free)) != len(free)):
         return "free is not a list of distinct block ids in the pool"
-    if not same("ref_counts") and (not _ints(refs, 0, None) or len(refs) != n):
+    if not same("ref_counts") and (not ints_in(refs, 0, None) or len(refs) != n):
         return f"ref_counts is not {n} non-negative ints"
     blocks, rows = d.get("seq_blocks"), d.get("seq_rows")
     if not same("seq_blocks") and (
         not isinstance(blocks, dict)
         or set(map(type, blocks)) - {str}
         or set(map(type, blocks.values())) - {list}
-        or not _ints(list(chain.from_iterable(blocks.values())), 0, n)
+        or not ints_in(list(chain.from_iterable(blocks.values())), 0, n)
     ):
         return "seq_blocks does not map sequence ids to block ids in the pool"
     table, width = d.get("table"), d.get("table_width")
     table_same = same("table") and width == passed.get("table_width")
     if not table_same:
-        if not isinstance(width, int) or width < 1 or not _ints(table, -1, n):
+        if not isinstance(width, int) or width < 1 or not ints_in(table, -1, n):
             return "table is not a list of block ids (or -1) with a positive table_width"
         if len(table) % width:
             return f"table has {len(table)} entries, not a multiple of its width {width}"
     nrows = len(table) // width
     if not (table_same and same("seq_rows")) and (
-        not isinstance(rows, dict) or not _ints(list(rows.values()), 0, nrows)
+        not isinstance(rows, dict) or not ints_in(list(rows.values()), 0, nrows)
     ):
         return f"seq_rows does not map sequences to rows in [0, {nrows})"
     toks = d.get("seq_tokens")
     if (
         toks is not None
         and not same("seq_tokens")
-        and not (isinstance(toks, dict) and _ints(list(toks.values()), 0, None))
+        and not (isinstance(toks, dict) and ints_in(list(toks.values()), 0, None))
     ):
         return "seq_tokens (optional) does not map sequences to token counts"
     reserved = d.get("reserved")
-    if reserved is not None and not same("reserved") and not _ints(reserved, 0, n):
+    if reserved is not None and not same("reserved") and not ints_in(reserved, 0, n):
         return "reserved (optional) is not a list of block ids in the pool"
     if free_count != len(free):
         return f"num_free_blocks says {free_count}, the snapshot lists {len(free)} free blocks"
@@ -111,76 +113,3 @@ def _problem(d: dict, num_blocks: int, free_count: int, block_size: int, compute
                 f"computed {done} of its {total}"
             )
     return None
-
-
-_CACHE_SHAPE = (
-    "cache (optional) is not a list of {block (in the pool), key (text), parent (text or null), "
-    "tokens (ints or null)} entries"
-)
-
-
-def _entry_ok(e, n) -> bool:
-    return (
-        isinstance(e, dict)
-        and _ints([e.get("block")], 0, n)
-        and isinstance(e.get("key"), str)
-        and (e.get("parent") is None or isinstance(e["parent"], str))
-        and (e.get("tokens") is None or _ints(e["tokens"], 0, None))
-    )
-
-
-def _ints(xs, lo: int, hi: int | None) -> bool:
-    """A list of ints (bools are not) in [lo, hi): checked at C speed, every step's table."""
-    if not isinstance(xs, list):
-        return False
-    if not xs:
-        return True
-    return set(map(type, xs)) == {int} and min(xs) >= lo and (hi is None or max(xs) < hi)
-
-
-def cache_delta(prev: dict, cache: list[dict], n: int | None = None):
-    """A snapshot's cache as a history event holds it: what changed since the previous snapshot
-    event (a cache of hundreds of entries, whole in every step's event, would swamp the history).
-    Returns (the event's fields, the state to diff the next one against, the problem: the shape
-    of an entry new or changed since prev ({block, key, parent, tokens}, its block in [0, n)), or
-    an entry listed twice; the fields and state are None then). An entry equal to the one prev
-    holds for its (block, key) passed before: a cache of hundreds of entries, most unchanged
-    from step to step, costs a comparison each."""
-    if not isinstance(cache, list):
-        return None, None, _CACHE_SHAPE
-    known = list(prev.values())
-    if cache[: len(known)] == known:  # as before, entry for entry (a step that keyed nothing)
-        if len(cache) == len(known):
-            return {"cache_added": [], "cache_removed": [], "cache_n": len(prev)}, prev, None
-        now, fresh = dict(prev), cache[len(known) :]  # ... and new entries after them
-    else:
-        now, fresh = {}, cache
-    added = []
-    for e in fresh:
-        try:
-            k = (e["block"], e["key"])
-            kept = prev.get(k)
-        except (KeyError, TypeError):  # not a dict, one without a block or key, unhashable
-            return None, None, _CACHE_SHAPE
-        if kept is None or type(e) is not dict or kept != e:  # new, or changed under its key
-            if not _entry_ok(e, n):
-                return None, None, _CACHE_SHAPE
-            tokens = e.get("tokens")  # the harness's own copy
-            kept = {**e, "tokens": None if tokens is None else list(tokens)}
-            added.append(kept)
-        if k in now:
-            return None, None, "cache (optional) lists an entry twice"
-        now[k] = kept
-    removed = [list(k) for k in prev if k not in now] if fresh is cache else []
-    return {"cache_added": added, "cache_removed": removed, "cache_n": len(now)}, now, None
-
-
-def apply_cache(state: dict, event: dict) -> dict:
-    """The cache a snapshot event stands for ((block, key) -> entry), from the one before it."""
-    if "cache" in event:  # whole (a snapshot outside a history)
-        return {(e["block"], e["key"]): e for e in event["cache"]}
-    for b, k in event.get("cache_removed", ()):
-        state.pop((b, k), None)
-    for e in event.get("cache_added", ()):
-        state[(e["block"], e["key"])] = e
-    return state

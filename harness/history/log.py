@@ -20,7 +20,7 @@ Kinds and their fields:
              a step that ran nothing, and once more at the end of the run (stamped one past the
              last step). A prefix cache (`cache`) is stored as its change since the snapshot
              before: cache_added (entries), cache_removed ([block, key]), cache_n (its size);
-             harness.judge.snapshots.apply_cache rebuilds it
+             harness.history.cache.apply_cache rebuilds it
   engine     kind (cow | staging_realloc | hit | refusal | table_resync | ...), data; a hit: req,
              known, answered, used, capped, blocks (those its admission found computed)
   kv_record  ranks: the per-block writer record is on (a manager offering a prefix cache); step 0
@@ -30,7 +30,7 @@ Kinds and their fields:
              KV was computed from a wrong read by that request), torn (written in a step that
              raised); step is the step of the read
   cache_mismatch  block, key, problem (partial | tokens | chain | parent), writers, written: a
-             cached block whose slots are not KV of its key's tokens (harness/judge/cache_state.py)
+             cached block whose slots are not KV of its key's tokens (harness/run/cache_state.py)
   hit_mismatch    req, index, block, problem (not_cached | tokens | parent): a hit's block that
              its key does not name
   fault      fault, kind ("armed" | "trigger" | "fired"), detail

@@ -22,42 +22,9 @@ import os
 import sys
 from pathlib import Path
 
-import kvchaos
-
-ROOT = Path(kvchaos.__file__).resolve().parent
-# Before one import name, kvchaos's folders were top-level packages: recorded runs name them so.
-OLD_TOP_LEVEL = ("engine", "faults", "harness", "scenarios")
-REFERENCE = "kvchaos.engine.block_manager:BlockManager"  # the reference block manager
-REFERENCE_PREFIX = "kvchaos.engine.prefix_manager:PrefixCachingManager"  # ... caching prefixes
-REFERENCES = (REFERENCE, REFERENCE_PREFIX)
-
-
-def reference_spec(cache_config) -> str:
-    """The reference manager a run without --block-manager gets, by [engine.cache]."""
-    return REFERENCE_PREFIX if cache_config.prefix_caching else REFERENCE
-
+from kvchaos.harness.scenario.managers import ALIASES, OLD_TOP_LEVEL, ROOT, canonical_spec
 
 MIN_COPY_BYTES = 200  # an empty __init__.py of the same name is no copy
-ALIASES = {  # shipped adapters' short names
-    "vllm": "kvchaos.harness.adapters.vllm:VLLMManager",
-    "sglang": "kvchaos.harness.adapters.sglang:SGLangManager",
-}
-
-
-def canonical_spec(spec: str | None) -> str | None:
-    """A recorded spec in today's names: 'engine.block_manager:BlockManager' (recorded before
-    kvchaos had one import name) -> 'kvchaos.engine.block_manager:BlockManager'; an alias
-    ('vllm') -> the adapter it names."""
-    if not spec:
-        return spec
-    spec = ALIASES.get(spec, spec)
-    mod, sep, attr = spec.partition(":")
-    if (
-        mod.split(".")[0] in OLD_TOP_LEVEL
-        and (ROOT / Path(*mod.split("."))).with_suffix(".py").is_file()
-    ):
-        return f"kvchaos.{mod}{sep}{attr}"
-    return spec
 
 
 def _own_files() -> dict[str, list[Path]]:

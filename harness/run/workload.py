@@ -8,7 +8,7 @@ import math
 import random
 
 from kvchaos.faults.plan import Action, Plan
-from kvchaos.harness.judge.scenario import LengthDist, PrefixSpec, Workload, read_lengths
+from kvchaos.harness.scenario.spec import LengthDist, PrefixSpec, Workload, read_lengths
 
 
 def sample_length(d: LengthDist, rng: random.Random) -> int:

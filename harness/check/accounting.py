@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import operator
 
-from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
-from kvchaos.harness.judge.snapshots import apply_cache
+from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.history.cache import apply_cache
 
 
 def check_block_accounting(events: list[dict]) -> CheckResult:

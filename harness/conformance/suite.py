@@ -10,8 +10,8 @@ the block table, what was written (so copy-on-write keeps every holder's data, a
 resize keep every sequence's blocks); free is idempotent; each snapshot passes the checks a run
 makes of it against what the harness saw. A property that needs a capability the manager does
 not declare (fork, seq_tokens, append_decode) is reported "not applicable". A protocol v2
-manager (kvchaos_protocol = 2) is driven in v2 calls instead (kvchaos.harness.judge.
-conformance_v2: admissions from shared templates so its cache hits, growth, decode batches,
+manager (kvchaos_protocol = 2) is driven in v2 calls instead (kvchaos.harness.conformance.v2:
+admissions from shared templates so its cache hits, growth, decode batches,
 end_step, every release reason, failed steps, resize of an own table) and judged on
 PROPERTIES_V2 (with "own_table", its table rows after every call). A failure is shrunk to a
 short history of steps and printed. The same seed gives the same result. The same tests run
@@ -35,14 +35,14 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvchaos.engine.protocols import protocol_version
-from kvchaos.harness.judge.conformance import (
+from kvchaos.harness.conformance.v1 import (
     PROPERTIES,
     ConformanceMachine,
     Violation,
     applicable,
 )
-from kvchaos.harness.judge.conformance_v2 import PROPERTIES_V2, ConformanceMachineV2
-from kvchaos.harness.judge.user_code import load_object, validate_manager
+from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2
+from kvchaos.harness.run.user_code import load_object, validate_manager
 
 EXIT_FAILED = 1
 EXAMPLES, STEPS, SHRINK_S = 200, 30, 10.0  # 200 histories of 30 steps: ~2 s on the reference

@@ -5,7 +5,7 @@ The machine drives a manager as the engine does (start, grow, decode, fork, free
 keeps its own record: the tokens it appended to each live sequence, and what it wrote where, read
 and written through the manager's flat block table as the engine's kernels do. After every call
 it judges the properties in PROPERTIES; a property that needs a capability the manager does not
-declare is never judged ("not applicable"). kvchaos.harness.tools.conformance runs it until
+declare is never judged ("not applicable"). kvchaos.harness.conformance.suite runs it until
 every applicable property has passed or failed with a shrunk reproducer (the Hypothesis steps).
 
 A failure of one property can make what follows meaningless (a refusal that took a block, a
@@ -33,8 +33,8 @@ from kvchaos.engine.boundary import state_change
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.protocols import capabilities, protocol_version
 from kvchaos.engine.tables import OwnedTable
-from kvchaos.harness.judge.checkers import check_block_accounting, check_table_integrity
-from kvchaos.harness.judge.snapshots import problem_seen
+from kvchaos.harness.check.checkers import check_block_accounting, check_table_integrity
+from kvchaos.harness.check.snapshots import problem_seen
 
 # name -> (the capability it needs, or None for the core protocol; what it says)
 PROPERTIES = {

@@ -3,7 +3,7 @@ its calls, snapshots that fail their own shape, and admission answers the harnes
 
 from __future__ import annotations
 
-from kvchaos.harness.judge.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
 
 
 def check_manager_calls(events: list[dict]) -> CheckResult:
@@ -44,7 +44,7 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
 
 def _call_failure(e: dict) -> Finding:
     """A sut_error event: an exception escaping a call, or (with "how": "hang" | "died", written
-    by an isolated run's parent, kvchaos.harness.tools.isolate) a call that never returned."""
+    by an isolated run's parent, kvchaos.harness.run.isolate) a call that never returned."""
     evidence = {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")}
     if e.get("how"):  # "append('r3', 16) did not return within 5 s"
         return Finding(

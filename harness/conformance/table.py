@@ -1,4 +1,4 @@
-"""The table and decode-batch paths of conformance v2 (kvchaos.harness.judge.conformance_v2): a
+"""The table and decode-batch paths of conformance v2 (kvchaos.harness.conformance.v2): a
 manager declaring "own_table" writes the table the kernels read, so its rows are judged against
 its own block_ids after every call, and across resize_table; one declaring "append_decode" gets
 decode batches, judged all or nothing. What the v1 machine judges of the same paths, for a v2
@@ -11,7 +11,7 @@ from hypothesis.stateful import precondition, rule
 
 from kvchaos.engine.boundary import describe
 from kvchaos.engine.errors import OutOfBlocks
-from kvchaos.harness.judge.conformance import _guarded
+from kvchaos.harness.conformance.v1 import _guarded
 
 # name -> (the capability it needs; what it says), as PROPERTIES_V2's
 TABLE_PROPERTIES = {
