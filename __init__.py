@@ -3,9 +3,13 @@
 One import name: kvchaos.engine (the system under test), kvchaos.faults (the failure modes),
 kvchaos.harness (the judge and the tools around it), kvchaos.scenarios (the built-in scenarios)."""
 
-from importlib import metadata
 
-try:
-    __version__ = metadata.version("kvchaos")
-except metadata.PackageNotFoundError:  # not installed: a bare checkout
-    __version__ = "0+unknown"
+def __getattr__(name: str):
+    if name != "__version__":
+        raise AttributeError(f"module 'kvchaos' has no attribute {name!r}")
+    from importlib import metadata  # on first use: every command's start would pay for it
+
+    try:
+        return metadata.version("kvchaos")
+    except metadata.PackageNotFoundError:  # not installed: a bare checkout
+        return "0+unknown"

@@ -1,32 +1,33 @@
-"""The reference paged-KV engine: the system under test."""
+"""The reference paged-KV engine: the system under test.
 
-from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
-from kvchaos.engine.engine import Engine
-from kvchaos.engine.errors import (
-    ConfigError,
-    InvalidRequest,
-    KVChaosError,
-    OutOfBlocks,
-    RequestRejected,
-    TableOverflow,
-)
-from kvchaos.engine.protocols import BlockManagerProtocol, Snapshot
-from kvchaos.engine.sequence import State, StepOutput, StepStats
+Names load on first use: `from kvchaos.engine.errors import OutOfBlocks` (or config, protocols)
+must not pay for torch, which the engine, the model and the kernels import."""
 
-__all__ = [
-    "CacheConfig",
-    "EngineConfig",
-    "ModelConfig",
-    "Engine",
-    "ConfigError",
-    "InvalidRequest",
-    "KVChaosError",
-    "OutOfBlocks",
-    "RequestRejected",
-    "TableOverflow",
-    "BlockManagerProtocol",
-    "Snapshot",
-    "State",
-    "StepOutput",
-    "StepStats",
-]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "CacheConfig": "config",
+    "EngineConfig": "config",
+    "ModelConfig": "config",
+    "Engine": "engine",
+    "ConfigError": "errors",
+    "InvalidRequest": "errors",
+    "KVChaosError": "errors",
+    "OutOfBlocks": "errors",
+    "RequestRejected": "errors",
+    "TableOverflow": "errors",
+    "BlockManagerProtocol": "protocols",
+    "Snapshot": "protocols",
+    "State": "sequence",
+    "StepOutput": "sequence",
+    "StepStats": "sequence",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvchaos.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvchaos.engine.{_WHERE[name]}"), name)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from array import array
 
-import torch
-
 from kvchaos.engine.errors import TableOverflow
 
 UNUSED = -1
@@ -29,7 +27,7 @@ class BlockTable:
     def __init__(self, rows: int, width: int) -> None:
         self.rows, self.width = rows, width
         self.host = array("i", [UNUSED]) * (rows * width)
-        self.host_tensor = torch.frombuffer(self.host, dtype=torch.int32)  # zero-copy view
+        self.host_tensor = _view(self.host)
         self.bound_check = True
         self.overflow_writes = 0  # writes that crossed into another row (only possible unchecked)
         self.overflow_log: list[tuple[int, int, int]] = []  # (row, index, block) of each
@@ -65,4 +63,12 @@ class BlockTable:
                 r * self.width : (r + 1) * self.width
             ]
         self.rows, self.width, self.host = rows, width, new
-        self.host_tensor = torch.frombuffer(self.host, dtype=torch.int32)
+        self.host_tensor = _view(self.host)
+
+
+def _view(host: array):
+    """The table as an int32 tensor over the same memory (zero-copy). torch is imported here: the
+    block managers, and the canaries built on them, load without it."""
+    import torch
+
+    return torch.frombuffer(host, dtype=torch.int32)

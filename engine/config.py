@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvchaos.engine.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are made, not here: a scenario loads (`kvchaos list`, pytest's
+# collection) without it
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
+# where the engine runs: the one definition (the command line adds "auto")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 OVERFLOW_POLICIES = ("reject", "resize")
 BACKENDS = ("auto", "torch", "triton")
 TP_MODES = ("simulated", "distributed")
@@ -70,11 +77,13 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.finfo(self.torch_dtype).bits // 8
+        return DTYPES[self.dtype]
 
     def kv_bytes_per_token(self) -> int:
         """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x dtype bytes."""
@@ -153,15 +162,16 @@ class EngineConfig:
             "engine.tp_size",
             f"must divide num_kv_heads ({self.model.num_kv_heads}), got {self.tp_size}",
         )
-        try:
-            torch.device(self.device)
-        except RuntimeError as e:
-            raise ConfigError(f"engine.device: {e}") from None
+        _require(
+            bool(DEVICE.fullmatch(self.device)),
+            "engine.device",
+            f"must be cpu, cuda or cuda:N, got {self.device!r}",
+        )
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if torch.device(self.device).type == "cuda" else "torch"
+        return "triton" if self.device.startswith("cuda") else "torch"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,12 +8,16 @@ checks `pid` before every upload and re-allocates (the remediation for the stagi
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class StagingBuffer:
     def __init__(self, numel: int, pinned: bool) -> None:
+        import torch  # here: the staging fault subclasses this, and a scenario loads without torch
+
         self.tensor = torch.empty(numel, dtype=torch.int32, pin_memory=pinned)
         self.pinned = pinned
         self.pid = os.getpid()

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from kvchaos.engine.engine import Engine
+if TYPE_CHECKING:
+    from kvchaos.engine.engine import Engine
 
 
 class ParamError(ValueError):

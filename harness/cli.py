@@ -192,7 +192,7 @@ def cmd_run(args) -> int:
     from kvchaos.engine.cluster import Cluster, external_launch
     from kvchaos.engine.follower import serve
     from kvchaos.harness.report.paths import report_dir_problem
-    from kvchaos.harness.run.runner import resolve_device
+    from kvchaos.harness.run.device import resolve_device
     from kvchaos.harness.run.user_code import validate_manager
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
@@ -312,7 +312,9 @@ def _subparser(sub, name: str, help_: str, description: str):
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load=None) -> argparse.ArgumentParser:
+    """load: the tool commands whose modules declare their arguments (None: all). A command's
+    start imports its own module alone: `kvchaos --help` and `kvchaos list` load no tool."""
     p = inputs.OneLineParser(
         prog="kvchaos",
         description="Chaos and fault-injection harness for paged-KV-cache inference engines:\n"
@@ -429,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     for name, (module, help_) in TOOLS.items():
+        if load is not None and name not in load:  # listed by name; its module stays unloaded
+            _subparser(sub, name, help_, help_)
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -444,7 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(load=[command] if command in TOOLS else []).parse_args(argv)
     try:
         return args.func(args)
     except (KVChaosError, ValueError) as e:  # ValueError: flag values only the command can judge

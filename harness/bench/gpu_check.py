@@ -89,7 +89,7 @@ def run_stage_child(args) -> int:
     }
     if args.device == "cpu":
         try:
-            from kvchaos.harness.run.runner import resolve_device
+            from kvchaos.harness.run.device import resolve_device
 
             resolve_device("cpu")
         except ImportError:

@@ -112,7 +112,8 @@ def stage_scenarios(ctx: dict) -> dict:
     try:
         from kvchaos.harness.history.log import read_history
         from kvchaos.harness.report.render import publish
-        from kvchaos.harness.run.runner import resolve_device, run_scenario
+        from kvchaos.harness.run.device import resolve_device
+        from kvchaos.harness.run.runner import run_scenario
         from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
     except ImportError as e:
         return {

@@ -35,18 +35,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-
-from kvchaos.harness.bench.blocks import (
-    bench_build,
-    bench_decode_bookkeeping,
-    bench_pool_rates,
-    bench_pool_scale,
-)
-from kvchaos.harness.bench.decode import bench_engine_b1, bench_paged_vs_contiguous
-from kvchaos.harness.bench.overhead import bench_harness_overhead
-from kvchaos.harness.bench.prefix import bench_revive_scale
+from kvchaos.harness.bench.cold_start import bench_cold_start
 from kvchaos.harness.bench.timing import perf
+from kvchaos.harness.run.device import resolve_device
 
 
 def _metric(
@@ -83,14 +74,6 @@ def _metric(
     )
 
 
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available")
-    return device
-
-
 # -- the whole bench ---------------------------------------------------------------------------
 FULL = dict(
     pool_n=200_000,
@@ -106,6 +89,7 @@ FULL = dict(
     b8_warmup=10,
     overhead_repeats=3,
     overhead_scenarios=None,
+    cold_repeats=15,
 )
 QUICK = dict(
     pool_n=5_000,
@@ -121,6 +105,7 @@ QUICK = dict(
     b8_warmup=2,
     overhead_repeats=1,
     overhead_scenarios=["table-overflow-detect"],
+    cold_repeats=3,
 )
 
 
@@ -137,11 +122,12 @@ def run_bench(
     torch's setting). One by default: the default model's tensors are tiny, so a second thread
     buys nothing, and on a shared machine an OpenMP barrier waiting for a busy core turns a 1 ms
     step into a 50 ms one."""
+    import torch
     from rich.console import Console
 
     if console is None:
         console = Console() if sys.stdout.isatty() else Console(width=132)
-    device = _resolve_device(device)
+    device = resolve_device(device)
     saved_threads = torch.get_num_threads()
     if threads and device == "cpu":
         torch.set_num_threads(threads)
@@ -152,6 +138,19 @@ def run_bench(
 
 
 def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
+    # here, not at the top: `kvchaos bench --help` loads neither torch nor the engine
+    import torch
+
+    from kvchaos.harness.bench.blocks import (
+        bench_build,
+        bench_decode_bookkeeping,
+        bench_pool_rates,
+        bench_pool_scale,
+    )
+    from kvchaos.harness.bench.decode import bench_engine_b1, bench_paged_vs_contiguous
+    from kvchaos.harness.bench.overhead import bench_harness_overhead
+    from kvchaos.harness.bench.prefix import bench_revive_scale
+
     p = QUICK if quick else FULL
     t_start = perf()
     m: dict[str, dict] = {}
@@ -325,6 +324,20 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             higher_is_better=False,
         )
 
+    with console.status("bench: cold start") if console.is_terminal else nullcontext():
+        cold = bench_cold_start(p["cold_repeats"])
+        m["cold_start_help"] = _metric(
+            "kvchaos --help, a fresh process, vs python -c pass",
+            "s",
+            cold["help"],
+            cold["python"],
+            "python -c pass",
+            3.0,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
+
     report = {
         "meta": {
             "quick": quick,
@@ -439,7 +452,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         run_bench(quick=args.quick, device=args.device, out_json=args.out)
-    except RuntimeError as e:
+    except ValueError as e:
         print(f"kvchaos bench: {e}", file=sys.stderr)
         return 2
     return 0

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-from kvchaos.harness.run.runner import resolve_device, run_scenario
+from kvchaos.harness.run.device import resolve_device
+from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.run.telemetry import Telemetry
 from kvchaos.harness.scenario.spec import builtin_scenarios
 

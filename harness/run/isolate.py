@@ -244,7 +244,8 @@ def run_isolated(
     """Run one scenario with one seed in a fresh worker; returns its RunResult (without the
     events: they are in run_dir/history.jsonl), its reports written. timeout_s=None: no limit.
     on_wait(): called about every WAIT_TICK_S while the worker runs (a live display)."""
-    from kvchaos.harness.run.runner import make_run_dir, resolve_device
+    from kvchaos.harness.run.device import resolve_device
+    from kvchaos.harness.run.runner import make_run_dir
 
     ctx = start_server()
     device = resolve_device(device)

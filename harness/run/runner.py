@@ -14,12 +14,11 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from kvchaos.engine.boundary import ManagerError, describe
 from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.metrics import run_metrics
 from kvchaos.harness.history.log import History
+from kvchaos.harness.run.device import resolve_device
 from kvchaos.harness.run.live import LiveRun
 from kvchaos.harness.run.user_code import load_object
 from kvchaos.harness.scenario.inputs import replay_command
@@ -53,21 +52,6 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def resolve_device(device: str | None) -> str:
-    """auto -> cuda when present, else cpu. On the CPU, torch gets KVCHAOS_CPU_THREADS threads
-    (default 1): the reference model is tiny, and two spinning threads on a shared two-core box
-    run some twenty times slower than one."""
-    if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is available")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
-    if device == "cpu":
-        torch.set_num_threads(int(os.environ.get("KVCHAOS_CPU_THREADS", "1")))
-    return device
 
 
 @dataclass

@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from kvchaos.engine.config import DEVICE
 from kvchaos.engine.errors import ConfigError, KVChaosError
-from kvchaos.harness.scenario.spec import Scenario, check_seed
+
+if TYPE_CHECKING:
+    from kvchaos.harness.scenario.spec import Scenario
+
+MAX_SEED = 2**63 - 1  # seeds are int64: torch, JSON readers and numpy all take them
 
 MAX_SEEDS = 100_000  # a batch is one run per seed: more is a typo, not a plan
-DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 MAX_WORLD_SIZE = 64  # real ranks are processes (or GPUs) on one machine
 
 
@@ -35,6 +39,12 @@ def flag(check):
 
     convert.__name__ = check.__name__
     return convert
+
+
+def check_seed(seed: int) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed}: seeds are 0 .. 2**63-1")
+    return seed
 
 
 def _int(text: str, what: str) -> int:
@@ -59,7 +69,7 @@ def seconds(text: str) -> float:
 
 
 def device(text: str) -> str:
-    if not DEVICE.fullmatch(text):
+    if text != "auto" and not DEVICE.fullmatch(text):
         raise ValueError(f"{text!r}: expected auto, cpu, cuda or cuda:N")
     return text
 

@@ -30,6 +30,7 @@ except ModuleNotFoundError:  # Python 3.10
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
 from kvchaos.harness.scenario import footprint
+from kvchaos.harness.scenario.inputs import check_seed
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 CHECKERS = (
@@ -49,7 +50,6 @@ CHECKERS = (
 # A name becomes part of a run folder's name: safe characters, bounded, never a path.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_NAME = 100
-MAX_SEED = 2**63 - 1  # seeds are int64: torch, JSON readers and numpy all take them
 MAX_FILE_BYTES = 1 << 20  # a scenario file is a few hundred bytes; /dev/zero is not one
 
 
@@ -65,12 +65,6 @@ def check_name(name: str) -> str:
             f"digit, at most {MAX_NAME} characters (it names the run folders)"
         )
     return name
-
-
-def check_seed(seed: int) -> int:
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed {seed}: seeds are 0 .. 2**63-1")
-    return seed
 
 
 class _Strict(BaseModel):

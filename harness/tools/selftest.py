@@ -245,7 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from kvchaos.harness.run.runner import resolve_device
+    from kvchaos.harness.run.device import resolve_device
 
     canaries, seeds = pick_canaries(args.canary), parse_seeds(args.seeds)
     scenarios, device = clean_scenarios(args.scenario), resolve_device(args.device)

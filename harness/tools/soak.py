@@ -98,7 +98,8 @@ def _incident(seed: int, run_dir: str, step: int, count: int) -> dict:
 # -- the soak ---------------------------------------------------------------------------------
 class Soak:
     def __init__(self, args) -> None:
-        from kvchaos.harness.run.runner import git_commit, resolve_device
+        from kvchaos.harness.run.device import resolve_device
+        from kvchaos.harness.run.runner import git_commit
 
         self.budget = parse_budget(args.budget)
         self.shard = parse_shard(args.shard)
