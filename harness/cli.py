@@ -14,12 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from kvchaos import __version__
+import kvchaos
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
 from kvchaos.harness.report.batch import details, print_table, run_doc, where
-from kvchaos.harness.run.isolate import DEFAULT_TIMEOUT_S
-from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.scenario.inputs import parse_seeds
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
@@ -312,6 +311,18 @@ def _subparser(sub, name: str, help_: str, description: str):
     )
 
 
+class _Version(argparse.Action):
+    """--version: the installed version, looked up only when asked (the lookup reads package
+    metadata: every start would pay for it)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"kvchaos {kvchaos.__version__}")
+        parser.exit()
+
+
 def build_parser(load=None) -> argparse.ArgumentParser:
     """load: the tool commands whose modules declare their arguments (None: all). A command's
     start imports its own module alone: `kvchaos --help` and `kvchaos list` load no tool."""
@@ -323,7 +334,7 @@ def build_parser(load=None) -> argparse.ArgumentParser:
         "structural invariants, and writes incident reports.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"kvchaos {__version__}")
+    p.add_argument("--version", action=_Version, help="show the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     fmt = dict(
@@ -368,42 +379,16 @@ def build_parser(load=None) -> argparse.ArgumentParser:
         metavar="SCENARIO",
         help="scenario files or built-in names (default: every built-in scenario)",
     )
-    g = run.add_mutually_exclusive_group()
-    g.add_argument("--seed", type=inputs.flag(inputs.seed), help="run this one seed")
-    g.add_argument(
-        "--seeds",
-        help="a count N (seeds 0..N-1) or a list 0,3,7 (default: each scenario's own seeds)",
-    )
-    run.add_argument(
-        "--device",
-        default="auto",
-        type=inputs.flag(inputs.device),
-        help="auto (cuda when present, else cpu), cpu, cuda, cuda:N",
-    )
-    run.add_argument(
-        "--report-dir", default="reports", help="where run folders go (default: reports)"
-    )
-    run.add_argument(
-        "--block-manager",
-        metavar="MODULE:ATTR",
-        help="run under your own block manager (protocol v2: kvchaos.engine.protocols.KVManager; "
-        "v1 BlockManagerProtocol still runs), called as "
-        "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq); 'vllm': vLLM's own "
-        "KVCacheManager from the installed vllm; 'sglang': SGLang's RadixCache and paged "
-        "allocator from the installed sglang (docs/adapters.md)",
+    options.add_seeds(run)
+    options.add(run, "device", default="auto")
+    options.add(run, "report_dir", default=options.DEFAULT_REPORT_DIR)
+    options.add(
+        run, "block_manager", default_means="the reference", lead="the block manager to run under"
     )
     run.add_argument(
         "--tag", action="append", help="only scenarios with this tag or marker (repeatable)"
     )
-    run.add_argument(
-        "--timeout",
-        type=inputs.flag(inputs.seconds),
-        default=DEFAULT_TIMEOUT_S,
-        metavar="S",
-        help=f"per-run time limit in seconds (default: {DEFAULT_TIMEOUT_S:g}), enforced even "
-        "inside a step: a run still going is stopped; a call into the block manager that did "
-        "not return is a FAIL naming it, a hang elsewhere an ERROR",
-    )
+    options.add(run, "timeout", default=options.DEFAULT_TIMEOUT_S)
     run.add_argument(
         "--in-process",
         action="store_true",

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from kvchaos.harness.scenario import options
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -50,38 +52,7 @@ MARKERS = {
 
 def pytest_addoption(parser) -> None:
     g = parser.getgroup("kvchaos")
-    g.addoption(
-        "--kvchaos-device",
-        default="cpu",
-        help="device for scenario runs: cpu (default), cuda, auto",
-    )
-    g.addoption(
-        "--kvchaos-seeds",
-        default=None,
-        help="a count N (seeds 0..N-1) or a list 0,3,7 (default: each scenario's own seeds)",
-    )
-    g.addoption(
-        "--kvchaos-report-dir",
-        default=None,
-        help="keep each run's folder here (default: reports/ in the rootdir; kvchaos_run: the "
-        "test's tmp_path)",
-    )
-    g.addoption(
-        "--kvchaos-block-manager",
-        default=None,
-        metavar="MODULE:ATTR",
-        help="run every scenario under this block manager (protocol v2, "
-        "kvchaos.engine.protocols.KVManager, or v1 BlockManagerProtocol; 'vllm', 'sglang': "
-        "those engines' own)",
-    )
-    g.addoption(
-        "--kvchaos-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="per-run time limit of scenario items in seconds (default: kvchaos run's), enforced "
-        "even inside a step",
-    )
+    options.add_pytest(g)
     g.addoption(
         "--kvchaos-in-process",
         action="store_true",
@@ -287,7 +258,7 @@ class ScenarioItem(pytest.Item):
             device=device,
             report_dir=_report_dir(cfg),
             block_manager_spec=cfg.getoption("--kvchaos-block-manager"),
-            timeout_s=isolate.DEFAULT_TIMEOUT_S if timeout is None else timeout,
+            timeout_s=options.DEFAULT_TIMEOUT_S if timeout is None else timeout,
         )
         if not hasattr(self.config, "_kvchaos_runs"):
             self.config._kvchaos_runs = []

@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# Loaded before any pytester inline run: such a run drops the modules first imported inside it,
+# and the package attribute left behind would name a dropped module (its worker unpicklable).
+import kvchaos.harness.run.isolate  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():

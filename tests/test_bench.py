@@ -13,8 +13,10 @@ import pytest
 from rich.console import Console
 
 from kvchaos.harness.bench import suite as bench
+from kvchaos.harness.run.device import resolve_device
 
 METRICS = {
+    "cold_start_help",
     "pool_alloc_free_per_s",
     "pool_vs_nanovllm",
     "pool_scale_1m_vs_1k",
@@ -145,8 +147,13 @@ def test_cli_helpers(tmp_path, monkeypatch):
     assert calls == dict(quick=True, device="auto", out_json=str(tmp_path / "b.json"))
 
 
-def test_cuda_unavailable_is_an_error(monkeypatch):
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    assert bench._resolve_device("auto") == "cpu"
-    with pytest.raises(RuntimeError):
-        bench._resolve_device("cuda")
+def test_cuda_unavailable_is_an_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda")
+    args = argparse.Namespace(quick=True, device="cuda", out="-")
+    assert bench.main(args) == 2  # bad input: one line, exit 2
+    assert "no CUDA device" in capsys.readouterr().err

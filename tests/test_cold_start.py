@@ -37,8 +37,7 @@ def loaded(*argv: str, before: str = "") -> list[str]:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["--version"], ["list"], ["run", "--help"]]
-    + [[name, "--help"] for name in TOOLS],
+    [["--help"], ["--version"], ["list"], ["run", "--help"]] + [[name, "--help"] for name in TOOLS],
     ids=" ".join,
 )
 def test_a_command_starts_without_torch_or_matplotlib(argv):

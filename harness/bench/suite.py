@@ -38,6 +38,7 @@ from pathlib import Path
 from kvchaos.harness.bench.cold_start import bench_cold_start
 from kvchaos.harness.bench.timing import perf
 from kvchaos.harness.run.device import resolve_device
+from kvchaos.harness.scenario import options
 
 
 def _metric(
@@ -435,12 +436,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="tiny repeat counts: runs in a few seconds"
     )
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda", "auto"),
-        default="cpu",
-        help="device for the engine benchmarks (default: cpu)",
-    )
+    options.add(parser, "device", default="cpu", lead="the engine benchmarks")
     parser.add_argument(
         "--out",
         default="reports/bench.json",

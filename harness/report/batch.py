@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvchaos import __version__
+import kvchaos
 from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, worst
 
 
@@ -28,7 +28,7 @@ def run_doc(results, report_dir: Path, indexed: bool, code: int, interrupted: bo
     """--format json: the batch, one document (paths absolute: CI steps run elsewhere)."""
     where = report_dir.absolute()
     return {
-        "kvchaos": __version__,
+        "kvchaos": kvchaos.__version__,
         "command": "run",
         "verdict": worst([r.verdict for r in results]),
         "exit_code": code,

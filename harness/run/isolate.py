@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_TIMEOUT_S = 300.0  # per run; the built-in scenarios take seconds on a CPU
+from kvchaos.harness.scenario.options import DEFAULT_TIMEOUT_S
+
 STOP_GRACE_S = 3.0  # after SIGUSR1, before SIGKILL
 REPORT_LIMIT_S = 120.0  # once the run's record is written: for its reports
 VALIDATE_TIMEOUT_S = 60.0  # the block manager's check before any run (a tiny pool)

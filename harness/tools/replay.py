@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvchaos.harness.history.log import UNSTABLE_KEYS, _stable_line, check_history, iter_history
 from kvchaos.harness.run.user_code import validate_manager
-from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
 
 EXIT_DIFFERENT = 1
@@ -277,24 +277,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RUN_DIR",
         help="a run folder (holds results.json and scenario.toml/.json)",
     )
-    p.add_argument(
-        "--device",
-        default=None,
-        type=inputs.flag(inputs.device),
-        help="replay on this device instead of the recorded one",
-    )
-    p.add_argument(
-        "--timeout",
-        type=inputs.flag(inputs.seconds),
-        default=None,
-        metavar="S",
-        help="time limit for the replay",
-    )
-    p.add_argument(
-        "--block-manager",
-        default=None,
-        metavar="MODULE:ATTR",
-        help="replay under this block manager instead of the recorded one",
+    options.add(p, "device", default_means="the recorded one", lead="replay there")
+    options.add(p, "timeout", default_means=f"{options.DEFAULT_TIMEOUT_S:g}")
+    options.add(
+        p,
+        "block_manager",
+        default_means="the recorded one",
+        lead="the block manager to replay under",
     )
     p.add_argument(
         "--tp-mode",

@@ -22,10 +22,10 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from kvchaos import __version__
+import kvchaos
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.verdict import ERROR, FAIL
-from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario import options
 from kvchaos.harness.tools.canaries import CANARIES, Canary
 
 EXIT_NOT_KILLED = 1  # a canary survived, only crashed, or broke the harness
@@ -230,12 +230,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"only this canary (repeatable): {', '.join(c.name for c in CANARIES)}",
     )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        type=inputs.flag(inputs.device),
-        help="cpu (default), cuda, cuda:N or auto",
-    )
+    options.add(p, "device", default="cpu")
     p.add_argument(
         "--format",
         choices=("text", "json"),
@@ -256,7 +251,7 @@ def main(args) -> int:
     code = exit_code(kills, control)
     if args.format == "json":
         doc = {
-            "kvchaos": __version__,
+            "kvchaos": kvchaos.__version__,
             "command": "selftest",
             "exit_code": code,
             "killed_by_finding": sum(k.status == FINDING for k in kills),

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvchaos.harness.check.verdict import EXIT_CODES, MISSED, PASS, current
-from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario import options
 from kvchaos.harness.scenario.spec import MAX_NAME
 
 EXIT_NOT_REPRODUCED = 1
@@ -430,19 +430,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="at most N candidate runs (default 200)",
     )
-    p.add_argument(
-        "--device",
-        default=None,
-        type=inputs.flag(inputs.device),
-        help="run the candidates on this device instead of the recorded one",
-    )
-    p.add_argument(
-        "--timeout",
-        type=inputs.flag(inputs.seconds),
-        default=None,
-        metavar="S",
-        help="per-candidate time limit (default: 10x the first re-run, at least 30 s)",
-    )
+    options.add(p, "device", default_means="the recorded one", lead="run the candidates there")
+    options.add(p, "timeout", default_means="10x the first re-run, at least 30 s")
 
 
 def main(args) -> int:

@@ -42,7 +42,7 @@ import psutil
 
 from kvchaos.harness.check.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
 from kvchaos.harness.report.paths import report_dir_problem
-from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import (
     Keeper,
@@ -461,30 +461,15 @@ class Soak:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--budget", required=True, help="how long to soak: 90s, 5m, 1h30m")
-    p.add_argument(
-        "--device",
-        default="auto",
-        type=inputs.flag(inputs.device),
-        help="auto (cuda when present, else cpu), cpu, cuda, cuda:N",
-    )
+    options.add(p, "device", default="auto")
     p.add_argument(
         "--shard",
         default="1/1",
         metavar="I/N",
         help="take every N-th seed, offset I-1 (default 1/1)",
     )
-    p.add_argument(
-        "--per-run-timeout",
-        type=inputs.flag(inputs.seconds),
-        default=120.0,
-        metavar="S",
-        help="per-run time limit in seconds (default 120), as `kvchaos run --timeout`: a run "
-        "still going is stopped; a call into the block manager that did not return is a FAIL "
-        "naming it, a hang elsewhere an ERROR",
-    )
-    p.add_argument(
-        "--report-dir", default="reports", help="the soak's folder goes here (default: reports)"
-    )
+    options.add(p, "timeout", default=120.0, flag="--per-run-timeout")
+    options.add(p, "report_dir", default=options.DEFAULT_REPORT_DIR, lead="the soak's folder")
     p.add_argument(
         "--seed-start",
         type=inputs.flag(inputs.seed),
