@@ -4,6 +4,7 @@ imports nothing heavy until it is used, and a second copy of kvchaos's modules i
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import subprocess
 import sys
@@ -15,7 +16,13 @@ import pytest
 from kvchaos.harness.run.user_code import second_copies
 from kvchaos.harness.scenario.managers import canonical_spec
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parents[1]
+SHIPPED = ("engine", "faults", "harness", "scenarios")  # installed as kvchaos.<folder>
 SMALL = """
 [engine.cache]
 block_size = 4
@@ -204,3 +211,50 @@ def test_python_dash_m_kvchaos_lists_the_scenarios(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "table-overflow-detect" in p.stdout and "baseline-clean" in p.stdout
+
+
+def _setuptools() -> dict:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]
+
+
+def _package(folder: Path) -> str:
+    return ".".join(("kvchaos", *folder.relative_to(REPO).parts))
+
+
+def _tree(pattern: str) -> list[Path]:
+    return [
+        p
+        for top in SHIPPED
+        for p in (REPO / top).rglob(pattern)
+        if p.is_file() and "__pycache__" not in p.parts
+    ]
+
+
+def test_the_package_list_misses_no_subpackage():
+    """pyproject.toml lists the packages by hand: setuptools' discovery, under the kvchaos = "."
+    mapping, finds them as top-level engine, harness, ... (not kvchaos.engine). A folder with an
+    __init__.py missing from the list would be left out of the wheel without a word."""
+    listed = set(_setuptools()["packages"])
+    on_disk = {"kvchaos"} | {_package(p.parent) for p in _tree("__init__.py")}
+    assert not on_disk - listed, f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
+    gone = {n for n in listed if not (REPO.joinpath(*n.split(".")[1:])).is_dir()}
+    assert not gone, f"listed in [tool.setuptools] packages but not in the tree: {sorted(gone)}"
+
+
+def test_every_data_file_is_in_the_package_data():
+    """Templates and scenario files ship through package-data: a file no glob of its folder's
+    package matches (or in a folder not in the package list) is left out of the wheel."""
+    cfg = _setuptools()
+    data = cfg["package-data"]
+    missed = sorted(
+        str(p.relative_to(REPO))
+        for p in _tree("*")
+        if p.suffix not in (".py", ".pyc")
+        and not (
+            _package(p.parent) in cfg["packages"]
+            and any(fnmatch.fnmatch(p.name, g) for g in data.get(_package(p.parent), []))
+        )
+    )
+    assert not missed, f"not shipped (pyproject.toml package-data / packages): {missed}"
+    assert len(_tree("*.toml")) >= 20 and _tree("*.j2")  # the walk sees the data it guards
