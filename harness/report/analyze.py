@@ -5,7 +5,6 @@ the folder above. Exits with the verdict's exit code."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvchaos.engine.errors import KVChaosError
@@ -13,6 +12,7 @@ from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.metrics import run_metrics
 from kvchaos.harness.check.verdict import EXIT_CODES, current
 from kvchaos.harness.history.log import check_history, deterministic_digest, read_history
+from kvchaos.harness.history.results import read_results
 from kvchaos.harness.report.index import update_index
 from kvchaos.harness.report.render import write_reports
 from kvchaos.harness.report.view import RunView
@@ -35,22 +35,6 @@ def _scenario_of(run_dir: Path, name: str | None):
         return load_scenario(name)
     except KVChaosError as e:
         raise KVChaosError(f"{run_dir}: no scenario.toml in it, and {e}") from None
-
-
-def read_results(run_dir: Path) -> dict:
-    """A run folder's results.json ({} when missing: analyze rebuilds it); one line if damaged."""
-    path = run_dir / "results.json"
-    try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except OSError as e:
-        raise KVChaosError(f"{path}: cannot read it: {e.strerror}") from None
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise KVChaosError(f"{path}: not valid JSON ({e}); move it aside to rebuild it") from None
-    if not isinstance(stored, dict):
-        raise KVChaosError(f"{path}: not a JSON object; move it aside to rebuild it")
-    return stored
 
 
 def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict:

@@ -13,7 +13,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from kvchaos.harness.check.verdict import current
-from kvchaos.harness.report.render import template_env, write_atomic
+from kvchaos.harness.history.results import write_atomic
+from kvchaos.harness.report.render import template_env
 from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
 
 # -- index across runs ----------------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 from kvchaos.harness.check.verdict import PASS, current
 from kvchaos.harness.history.log import read_history
+from kvchaos.harness.history.results import write_atomic, write_results
 from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.report.paths import rel_command
 from kvchaos.harness.report.plots import plot_run
@@ -55,17 +55,6 @@ def template_env():
     return _ENV
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file so a reader (or a crash) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:  # a full disk: no half-written temporary file left behind
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_reports(
     run_dir: Path | str, results: dict, events: list[dict] | None = None, plots: bool | None = None
 ) -> list[Path]:
@@ -90,8 +79,7 @@ def write_reports(
         p = run_dir / inc["file"]
         write_atomic(p, tpl.render(i=inc, r=results))
         written.append(p)
-    write_atomic(run_dir / "results.json", json.dumps(results, indent=1, default=str))
-    written.append(run_dir / "results.json")
+    written.append(write_results(run_dir, results))
     if plots is None:
         plots = {
             "findings": bool(incidents) or results["verdict"] != PASS,
@@ -152,5 +140,5 @@ def publish(result, index: bool = True, batch: str | None = None):
     except Exception as ex:
         result.results["report_error"] = f"{type(ex).__name__}: {ex}"
         # atomic: on a full disk the run's own results.json stays whole
-        write_atomic(run_dir / "results.json", json.dumps(result.results, indent=1, default=str))
+        write_results(run_dir, result.results)
     return result

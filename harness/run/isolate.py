@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchaos.harness.history.results import write_results
 from kvchaos.harness.scenario.options import DEFAULT_TIMEOUT_S
 
 STOP_GRACE_S = 3.0  # after SIGUSR1, before SIGKILL
@@ -269,7 +270,7 @@ def run_isolated(
             return _record_lost(job, ending, timeout_s, time.perf_counter() - t0)
         if ending[0] != "published":  # the run's record stands; its reports were not written
             result.results["report_error"] = f"the worker {_said(ending)} while writing reports"
-            (run_dir / "results.json").write_text(_json(result.results), encoding="utf-8")
+            write_results(run_dir, result.results)
             if ending[0] == "interrupted":  # Ctrl-C: the batch stops here
                 raise KeyboardInterrupt
         if ending[1] == "interrupted":  # the run ended whole, but the user has stopped the batch
@@ -399,12 +400,6 @@ def _said(ending: tuple) -> str:
     return "was stopped at the time limit" if kind == "timeout" else "was interrupted"
 
 
-def _json(results: dict) -> str:
-    import json
-
-    return json.dumps(results, indent=1, default=str)
-
-
 def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float):
     """The record of a run whose worker gave none: the history on disk, the event that ended it
     (a finding when inside a call into the manager, else an error), re-checked as analyze does."""
@@ -468,7 +463,7 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
         "replay": replay_command(sc, job.seed, job.device, job.block_manager_spec, tp, run_dir),
         "batch": job.batch,
     }
-    (run_dir / "results.json").write_text(_json(stored), encoding="utf-8")
+    write_results(run_dir, stored)
     try:
         results = analyze(run_dir, plots=None, index=False)
         point_latest(run_dir.parent, run_dir.name)
@@ -476,10 +471,10 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
         results = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
         results.update(verdict="ERROR", summary=f"run error: {name}: {message}")
         results["report_error"] = f"{type(e).__name__}: {e}"
-        (run_dir / "results.json").write_text(_json(results), encoding="utf-8")
+        write_results(run_dir, results)
     if kind == "interrupted":
         results["reason"] = "interrupted"
-        (run_dir / "results.json").write_text(_json(results), encoding="utf-8")
+        write_results(run_dir, results)
     findings = [Finding(**f) for c in results.get("checkers", []) for f in c["findings"]]
     return RunResult(
         sc.name, job.seed, results["verdict"], run_dir, results["summary"], findings, results

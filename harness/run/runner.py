@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import gc
-import json
 import os
 import subprocess
 import time
@@ -18,6 +17,7 @@ from kvchaos.engine.boundary import ManagerError, describe
 from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.metrics import run_metrics
 from kvchaos.harness.history.log import History
+from kvchaos.harness.history.results import write_results
 from kvchaos.harness.run.device import resolve_device
 from kvchaos.harness.run.live import LiveRun
 from kvchaos.harness.run.user_code import load_object
@@ -220,7 +220,7 @@ def run_scenario(
     if (
         run_dir is not None
     ):  # the judge's record; the caller renders reports (kvchaos.harness.report.render.publish)
-        (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        write_results(run_dir, results)
     findings = [f for c in checks for f in c.findings]
     return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results, events)
 

@@ -33,7 +33,7 @@ MANAGER_ANSWERS = ("snapshot", "snapshot_invalid", "sut_error")
 
 def load_run(run_dir: str | Path):
     """(Scenario, scenario dict, results) of a stored run; one clear error if it is not one."""
-    from kvchaos.harness.report.analyze import read_results
+    from kvchaos.harness.history.results import read_results
     from kvchaos.harness.scenario.spec import ScenarioError, load_scenario, parse_scenario, tomllib
 
     d = Path(run_dir)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvchaos.harness.check.verdict import EXIT_CODES, MISSED, PASS, current
+from kvchaos.harness.history.results import write_results
 from kvchaos.harness.scenario import options
 from kvchaos.harness.scenario.spec import MAX_NAME
 
@@ -412,7 +413,7 @@ def _update_results(run_dir: Path, results: dict, minimal: dict) -> None:
             return
         except ImportError:
             pass
-    (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    write_results(run_dir, results)
 
 
 # -- the command --------------------------------------------------------------------------------
