@@ -46,7 +46,7 @@ RELEASE_REASONS = {
 }
 
 
-def _decode_backend(name: str):
+def decode_backend(name: str):
     if name == "triton":
         from kvchaos.engine.triton_decode import paged_decode_triton
 
@@ -103,7 +103,7 @@ class Engine(BatchBuilder):
         self.written: dict[str, dict[int, set[int]]] = {}  # seq -> block -> ranks writing it
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
-        self.decode_attention = _decode_backend(config.resolved_backend())
+        self.decode_attention = decode_backend(config.resolved_backend())
         tp = config.tp_size
         self.kv_heads_per_rank = mc.num_kv_heads // tp
         # One pool per rank: [layers, K/V, blocks, block_size, kv_heads / tp, head_dim]

@@ -8,7 +8,7 @@ import torch
 
 from kvchaos.engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
 from kvchaos.engine.config import EngineConfig
-from kvchaos.engine.engine import _decode_backend
+from kvchaos.engine.engine import decode_backend
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.engine.ranks import VirtualRank
 from kvchaos.engine.wire import Batch, Wire
@@ -57,7 +57,7 @@ class Shard:
                 device=device,
             )
         )
-        self.decode_attention = _decode_backend(cfg.resolved_backend())
+        self.decode_attention = decode_backend(cfg.resolved_backend())
 
     def receive(self, wire: Wire, b: Batch) -> None:
         """Apply, in order, the table updates rank 0 sends this rank this step."""

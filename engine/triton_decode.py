@@ -185,7 +185,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _auto_splits(q: torch.Tensor, work_items: int, num_chunks: int) -> int:
+def auto_splits(q: torch.Tensor, work_items: int, num_chunks: int) -> int:
     if q.is_cuda and not _interpreting():
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         want = triton.cdiv(2 * sms, max(work_items, 1))  # ~2 waves of programs
@@ -235,7 +235,7 @@ def paged_decode_triton(
     if max_seq_len is not None:
         cap = min(cap, max_seq_len)
     if num_splits is None:
-        num_splits = _auto_splits(q, b * hkv, triton.cdiv(max(cap, 1), block_n))
+        num_splits = auto_splits(q, b * hkv, triton.cdiv(max(cap, 1), block_n))
     num_splits = max(1, int(num_splits))
 
     seq_lens = seq_lens.to(torch.int32)

@@ -91,3 +91,55 @@ def test_the_rule_itself_can_fire(tmp_path):
     bad.write_text("def f():\n    from kvchaos.harness.report.render import publish\n")
     assert _imports(bad) == {"harness.report.render"}
     assert _target_room("harness.report.render") not in ALLOWED["harness.check"]
+
+
+def _module_of(path: Path) -> str:
+    if not path.is_relative_to(REPO):
+        return ""
+    rel = path.relative_to(REPO).with_suffix("")
+    return ".".join(p for p in rel.parts if p != "__init__")
+
+
+def private_uses(path: Path) -> set[str]:
+    """Another kvchaos module's _private names this file uses: imported by name, or read as an
+    attribute of a kvchaos module it imported."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    own, out, modules = _module_of(path), set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvchaos."):
+            src = node.module.removeprefix("kvchaos.")
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and src != own:
+                    out.add(f"{src}.{a.name}")
+                modules[a.asname or a.name] = f"{src}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("kvchaos.") and a.asname:
+                    modules[a.asname] = a.name.removeprefix("kvchaos.")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and modules[node.value.id] != own
+        ):
+            out.add(f"{modules[node.value.id]}.{node.attr}")
+    return out
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_uses_another_modules_private_names(path):
+    used = private_uses(path)
+    assert not used, f"uses another module's private names: {sorted(used)}; make them public"
+
+
+def test_the_private_rule_can_fire(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from kvchaos.harness.run import runner as r\n"
+        "from kvchaos.harness.check.findings import _of\n"
+        "x = r._secret\n"
+    )
+    assert private_uses(bad) == {"harness.check.findings._of", "harness.run.runner._secret"}

@@ -60,12 +60,12 @@ def stage_env(ctx: dict) -> dict:
             memory_gib=round(p.total_memory / 2**30, 1),
             l2_mib=getattr(p, "L2_cache_size", 0) / 2**20,
         )
-    from kvchaos.harness.run.telemetry import Telemetry, _nvml
+    from kvchaos.harness.run.telemetry import Telemetry, load_nvml
 
     tel = Telemetry(ctx["device"])
     info["telemetry"] = {**tel.status(), "sample": tel.sample()}
-    if "nv" in _nvml():
-        info["driver"] = _text(_nvml()["nv"].nvmlSystemGetDriverVersion())
+    if "nv" in load_nvml():
+        info["driver"] = _text(load_nvml()["nv"].nvmlSystemGetDriverVersion())
     missing = [p for p, v in info["packages"].items() if v is None]
     summary = f"{info.get('gpu', 'cpu')}, torch {info['torch']}, triton {info['triton']}" + (
         f"; missing: {', '.join(missing)}" if missing else ""

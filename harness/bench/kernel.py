@@ -178,7 +178,7 @@ def bench(
     import triton
 
     from kvchaos.engine.attention import paged_decode_torch
-    from kvchaos.engine.triton_decode import _auto_splits, paged_decode_triton
+    from kvchaos.engine.triton_decode import auto_splits, paged_decode_triton
 
     interp = _interpreting()
     if interp:
@@ -217,7 +217,7 @@ def bench(
     )  # read + write
 
     chunks = triton.cdiv(shape["ctx"], max(shape["block_size"], 16 if interp else 32))
-    auto = _auto_splits(q, shape["batch"] * shape["num_kv_heads"], chunks)
+    auto = auto_splits(q, shape["batch"] * shape["num_kv_heads"], chunks)
     sweep_ms = {}
     if sweep:
         for n in (1, 2) if interp else (1, 2, 4, 8, 16):

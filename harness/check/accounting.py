@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 
-from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
 from kvchaos.harness.history.cache import apply_cache
 
 
@@ -18,7 +18,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
     snaps = 0
     seen_leaks: set[str] = set()
     seen_reserved: set[int] = set()
-    start = next(iter(_of(events, "run_start")), {})
+    start = next(iter(of_kind(events, "run_start")), {})
     bs = start.get("config", {}).get("cache", {}).get("block_size")
     tokens: dict[str, int] = {}
     cache: dict = {}  # the prefix cache as of the latest snapshot
@@ -106,7 +106,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                 )
             last_pool, pool_clean = pool, n0 == n1 and n2 == len(found)
             _ended_holding(e, ended, cancels, seen_leaks, found)
-    end = _of(events, "run_end")
+    end = of_kind(events, "run_end")
     last = [e for e in events if e.get("e") == "snapshot"]
     if end and last and end[-1].get("reason") in ("done", "max_steps"):
         # the final snapshot: every block is free or held by a request still live, or by a holder
@@ -137,7 +137,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                     end[-1]["step"],
                 )
             )
-    return _result("block_accounting", found, snaps)
+    return judged_result("block_accounting", found, snaps)
 
 
 def _ended_holding(snap: dict, ended: dict, cancels: dict, seen: set, found: list) -> None:

@@ -5,7 +5,7 @@ A holder that never read the slot is named nowhere."""
 
 from __future__ import annotations
 
-from kvchaos.harness.check.findings import CheckResult, Finding, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, judged_result
 
 KINDS = ("wrong_read", "unwritten_read", "poisoned_read")
 
@@ -82,7 +82,7 @@ def check_kv_reads(events: list[dict]) -> CheckResult:
             if hit is not None:
                 evidence["hit_step"], evidence["hit_blocks"] = hit[0], hit[1].get("blocks")
             found.append(Finding("kv_reads", e["step"], _message(e, k, hit), evidence, None, k))
-    return _result("kv_reads", found, steps)
+    return judged_result("kv_reads", found, steps)
 
 
 CACHE_PROBLEMS = {
@@ -128,4 +128,4 @@ def check_prefix_cache(events: list[dict]) -> CheckResult:
             )
             evidence = {k: e.get(k) for k in ("req", "block", "index", "problem")}
             found.append(Finding("prefix_cache", e["step"], msg, evidence, None, "hit_blocks"))
-    return _result("prefix_cache", found, judged)
+    return judged_result("prefix_cache", found, judged)

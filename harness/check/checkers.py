@@ -11,7 +11,7 @@ from typing import Callable
 
 from kvchaos.harness.check.accounting import check_block_accounting
 from kvchaos.harness.check.cache_checks import check_kv_reads, check_prefix_cache
-from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
 from kvchaos.harness.check.latency import check_latency
 from kvchaos.harness.check.manager_checks import check_admission, check_manager_calls
 
@@ -21,8 +21,8 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
     stored prompt against the plan; and the model code both share against an independent float64
     reference (its "reference" event)."""
     found = []
-    results = _of(events, "oracle")
-    for ref in _of(events, "reference"):
+    results = of_kind(events, "oracle")
+    for ref in of_kind(events, "reference"):
         if not ref["agrees"]:
             found.append(
                 Finding(
@@ -74,7 +74,7 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
                     o["step"],  # known when the request was checked, not when it diverged
                 )
             )
-    return _result("oracle_divergence", found, len(results))
+    return judged_result("oracle_divergence", found, len(results))
 
 
 def check_table_integrity(events: list[dict]) -> CheckResult:
@@ -82,7 +82,7 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
     found, snaps = [], 0
     reported: set[tuple] = set()
     last: tuple = ()
-    for e in _of(events, "snapshot"):
+    for e in of_kind(events, "snapshot"):
         snaps += 1
         table, w, s = e["table"], e["table_width"], e["step"]
         now = (table, e["seq_rows"], e["seq_blocks"], w)
@@ -148,7 +148,7 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                         "foreign_block",
                     )
                 )
-    return _result("table_integrity", found + _foreign_writes(events), snaps)
+    return judged_result("table_integrity", found + _foreign_writes(events), snaps)
 
 
 def _foreign_writes(events: list[dict]) -> list[Finding]:
@@ -169,14 +169,14 @@ def _foreign_writes(events: list[dict]) -> list[Finding]:
             False,
             "foreign_write",
         )
-        for e in _of(events, "foreign_write")
+        for e in of_kind(events, "foreign_write")
     ]
 
 
 def check_cross_rank(events: list[dict]) -> CheckResult:
     """Every rank's copy of the block table hashes the same as the scheduler's, every step."""
     found, n = [], 0
-    for e in _of(events, "step"):
+    for e in of_kind(events, "step"):
         crcs = e.get("rank_crcs") or []
         if not crcs:
             continue
@@ -199,7 +199,7 @@ def check_cross_rank(events: list[dict]) -> CheckResult:
                     "stale_table",
                 )
             )
-    return _result("cross_rank", found, n)
+    return judged_result("cross_rank", found, n)
 
 
 def check_liveness(
@@ -217,7 +217,7 @@ def check_liveness(
     reserved = 0  # ids the manager never hands out (vLLM's null block, SGLang's padding page)
     found = []
     last_step, last_token, waiting = 0, 0, {}  # waiting: request -> when it started to wait
-    cache = next(iter(_of(events, "run_start")), {}).get("config", {}).get("cache", {})
+    cache = next(iter(of_kind(events, "run_start")), {}).get("config", {}).get("cache", {})
     bs, num_blocks = cache.get("block_size", 16), cache.get("num_blocks", 0)
     watermark = int(cache.get("watermark", 0) * num_blocks)
 
@@ -262,7 +262,7 @@ def check_liveness(
                             "starvation",
                         )
                     )
-    end = _of(events, "run_end")
+    end = of_kind(events, "run_end")
     # a run cut at max_steps while still producing ran out of steps: that is no bug
     stalled = last_step - last_token >= stall_steps
     if end and (end[-1]["reason"] == "done" or end[-1]["reason"] == "max_steps" and stalled):
@@ -279,7 +279,7 @@ def check_liveness(
                     "unfinished",
                 )
             )
-    return _result("liveness", found, len(submitted))
+    return judged_result("liveness", found, len(submitted))
 
 
 CHECKERS: dict[str, Callable[..., CheckResult]] = {

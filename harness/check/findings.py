@@ -43,11 +43,11 @@ class CheckResult:
         return {**self.__dict__, "findings": findings, "status": self.status}
 
 
-def _result(name: str, findings: list[Finding], checked: int) -> CheckResult:
+def judged_result(name: str, findings: list[Finding], checked: int) -> CheckResult:
     """A checker that looked at nothing never held: it was not judged."""
     findings.sort(key=lambda f: f.step)
     return CheckResult(name, not findings if checked or findings else None, findings, None, checked)
 
 
-def _of(events: list[dict], kind: str) -> list[dict]:
+def of_kind(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e.get("e") == kind]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
 
 
 def _rolling_min(xs: list[float], w: int) -> list[float]:
@@ -41,7 +41,7 @@ def check_latency(
     judged), latency_s (the whole step, wall clock) or cpu_s (the engine thread's CPU time)."""
     steps = [
         e
-        for e in _of(events, "step")
+        for e in of_kind(events, "step")
         if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
     ]
     if len(steps) < baseline_steps + sustain:
@@ -57,7 +57,7 @@ def check_latency(
             found = _climb(
                 steps, signal, i, (base, limit, slo_ratio), (window, sustain, baseline_steps)
             )
-            return _result("latency", [found], len(steps))
+            return judged_result("latency", [found], len(steps))
     return CheckResult("latency", True, [], None, len(steps))
 
 

@@ -3,7 +3,7 @@ its calls, snapshots that fail their own shape, and admission answers the harnes
 
 from __future__ import annotations
 
-from kvchaos.harness.check.findings import CheckResult, Finding, _of, _result
+from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
 
 
 def check_manager_calls(events: list[dict]) -> CheckResult:
@@ -12,7 +12,7 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
     call that hung or ended the process; so is a snapshot that fails its own shape or the
     harness's record (snapshot_invalid events)."""
     found = (
-        [_call_failure(e) for e in _of(events, "sut_error")]
+        [_call_failure(e) for e in of_kind(events, "sut_error")]
         + [
             Finding(
                 "manager_calls",
@@ -22,7 +22,7 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
                 None,
                 "bad_snapshot",
             )
-            for e in _of(events, "snapshot_invalid")
+            for e in of_kind(events, "snapshot_invalid")
         ]
         + [
             Finding(
@@ -34,12 +34,12 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
                 None,
                 "refusal_changed_state",
             )
-            for e in _of(events, "engine")
+            for e in of_kind(events, "engine")
             if e.get("kind") == "refusal" and e["data"].get("changed")
         ]
     )
     calls = sum(1 for e in events if e.get("e") in ("step", "snapshot"))
-    return _result("manager_calls", found, calls)
+    return judged_result("manager_calls", found, calls)
 
 
 def _call_failure(e: dict) -> Finding:
@@ -58,13 +58,13 @@ def check_admission(events: list[dict]) -> CheckResult:
     """A request refused as too long ("429") must really be: past the model's positions, the
     pool, or (refusing, not resizing) a table row. One that fits must be admitted (and served:
     liveness sees that)."""
-    start = next(iter(_of(events, "run_start")), {})
+    start = next(iter(of_kind(events, "run_start")), {})
     cfg = start.get("config", {})
     cache, model = cfg.get("cache", {}), cfg.get("model", {})
     bs, width = cache.get("block_size", 16), cache.get("max_blocks_per_seq", 0)
     plan = {a["req"]: a for a in start.get("plan", []) if a.get("op") == "submit"}
     found, judged = [], 0
-    for e in _of(events, "reject"):
+    for e in of_kind(events, "reject"):
         a = plan.get(e["req"])
         if e.get("error") != "RequestRejected" or a is None:
             continue
@@ -88,4 +88,4 @@ def check_admission(events: list[dict]) -> CheckResult:
                     "wrong_refusal",
                 )
             )
-    return _result("admission", found, judged)
+    return judged_result("admission", found, judged)

@@ -71,7 +71,7 @@ class History:
         self._hash = hashlib.sha256()
 
     def append(self, event: dict) -> None:
-        self._hash.update(_stable_line(event))
+        self._hash.update(stable_line(event))
         if self._f:
             self._f.write(_encode(event) + "\n")
         if self.events is not None:
@@ -200,7 +200,7 @@ def _stable_part(event: dict) -> dict:
     return _stable(event)
 
 
-def _stable_line(event: dict) -> bytes:
+def stable_line(event: dict) -> bytes:
     """What the digest hashes of an event: its stable part, canonically encoded. orjson, ten times
     the standard encoder's speed on a run's events, so the digest costs little; the same bytes for
     an event in memory and for it read back from its history line (NaN reads back as NaN and
@@ -216,5 +216,5 @@ def _stable_line(event: dict) -> bytes:
 def deterministic_digest(events: list[dict]) -> str:
     h = hashlib.sha256()
     for ev in events:
-        h.update(_stable_line(ev))
+        h.update(stable_line(ev))
     return h.hexdigest()

@@ -22,7 +22,7 @@ import time
 _NVML: dict = {}  # initialised once per process: {"nv": module} or {"error": reason}
 
 
-def _nvml():
+def load_nvml():
     if not _NVML:
         try:
             import pynvml as nv
@@ -95,7 +95,7 @@ class Telemetry:
         if not enabled:
             self.reason = "telemetry switched off (KVCHAOS_TELEMETRY=0)"
             return
-        st = _nvml()
+        st = load_nvml()
         if "error" in st:
             self.reason = st["error"]
         elif not str(device).startswith("cuda"):

@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvchaos.harness.history.log import UNSTABLE_KEYS, _stable_line, check_history, iter_history
+from kvchaos.harness.history.log import UNSTABLE_KEYS, check_history, iter_history, stable_line
 from kvchaos.harness.run.user_code import validate_manager
 from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
@@ -105,7 +105,7 @@ def history_digest(path: Path) -> str:
     """The deterministic digest of a stored history, streamed, in today's names."""
     h = hashlib.sha256()
     for ev in _today(iter_history(path)):
-        h.update(_stable_line(ev))
+        h.update(stable_line(ev))
     return h.hexdigest()
 
 
@@ -127,7 +127,7 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
                 "detail": f"only the {'replayed' if a is missing else 'recorded'} history "
                 f"has event {i}",
             }
-        if _stable_line(a) != _stable_line(b):
+        if stable_line(a) != stable_line(b):
             if _is_answer(a) or _is_answer(b):  # the manager answered otherwise, all else equal
                 manager = "first answer" if answers == 0 else "answer"
             else:

@@ -8,16 +8,16 @@ import io
 
 from kvchaos.harness.tools.fingerprint import fp_text
 from kvchaos.harness.tools.soak_summary import (
-    _CAUSE_NOTE,
-    _FP_LEGEND,
-    _KEPT_NOTE,
+    CAUSE_NOTE,
     COLOURS,
+    FP_LEGEND,
+    KEPT_NOTE,
     KEPT_ROWS,
     WHY,
-    _disk_line,
-    _hit_line,
-    _rss_line,
+    disk_line,
     duration_text,
+    hit_line,
+    rss_line,
 )
 
 
@@ -148,20 +148,20 @@ def render_html(s: dict) -> str:
 <p class="{"bad" if bad else "ok"}"><b>exit {s["exit_code"]}</b>: {e(s["exit_meaning"])}</p>
 {stop}<p>{ran}</p>
 <p>{verdicts}</p>
-<p>Disk: {e(_disk_line(s))}.</p>
-<p>Prefix cache: {e(_hit_line(s.get("prefix_cache")))}.</p>
-<p>Memory (RSS): {e(_rss_line(s["rss"]))}</p>
+<p>Disk: {e(disk_line(s))}.</p>
+<p>Prefix cache: {e(hit_line(s.get("prefix_cache")))}.</p>
+<p>Memory (RSS): {e(rss_line(s["rss"]))}</p>
 <p>Rerun: <code>{e(s["command"])}</code><br>ledger: <code>{e(s["ledger"])}</code></p>
 <h2>Runs and findings over time</h2>{plot}
 <h2>Nondeterminism</h2>{nondet}
 <h2>Incidents by fingerprint</h2>
-<p class="muted">{_FP_LEGEND}; seeds link to the run's report</p>
+<p class="muted">{FP_LEGEND}; seeds link to the run's report</p>
 {_table(("fingerprint", "runs", "first seed", "fastest seed", "reproduce"), rows)}
-<h2>INCONCLUSIVE runs by cause</h2><p class="muted">{_CAUSE_NOTE}</p>
+<h2>INCONCLUSIVE runs by cause</h2><p class="muted">{CAUSE_NOTE}</p>
 {_table(("cause", "runs", "first seed", "reports"), causes)}
 <h2>Unexpected runs</h2>{_table(("verdict", "seed", "mix", "summary", "run"), unexp)}
 <h2>Kept runs ({len(s["kept"])})</h2>
-<p class="muted">{e(_KEPT_NOTE)} <a href="runs/index.html">runs/index.html</a></p>
+<p class="muted">{e(KEPT_NOTE)} <a href="runs/index.html">runs/index.html</a></p>
 {_table(("seed (report)", "verdict", "kept as", "mix", "summary"), kept)}
 </body></html>
 """

@@ -30,12 +30,12 @@ TIMELINE_BINS = 120
 KEPT_ROWS = 500  # the summary lists this many kept runs; runs/index.html has them all
 WHY = {"finding": "finding", "cited": "first/fastest of an incident", "passing": "passing sample"}
 COLOURS = {INCONCLUSIVE: "#b07d00", ERROR: "#7b1fa2", FAIL: "#b3261e", MISSED: "#e8590c"}
-_FP_LEGEND = (
+FP_LEGEND = (
     "label (verdict, or DETECTED for a planted defect caught as expected) / failure mode / "
     "checker / finding kind"
 )
-_CAUSE_NOTE = "A run with several unfired planted defects counts under each; links: its first runs."
-_KEPT_NOTE = (
+CAUSE_NOTE = "A run with several unfired planted defects counts under each; links: its first runs."
+KEPT_NOTE = (
     "Every run with a finding (a verdict other than PASS, the first or fastest run of an "
     "incident, a replay mismatch) and a sample of passing runs; the others were deleted and "
     "live on in the ledger, each with its replay command. All of them:"
@@ -263,7 +263,7 @@ def summary_of(soak, elapsed: float, code: int) -> dict:
 
 
 # -- soak-summary.md --------------------------------------------------------------------------
-def _rss_line(rss: dict) -> str:
+def rss_line(rss: dict) -> str:
     if "growth_pct" not in rss:
         return "not measured (the soak ended before the baseline sample)"
     return (
@@ -275,7 +275,7 @@ def _rss_line(rss: dict) -> str:
     )
 
 
-def _disk_line(s: dict) -> str:
+def disk_line(s: dict) -> str:
     d = s["disk"]
     line = (
         f"{size_text(d['used_bytes'])} written of --max-disk {size_text(d['cap_bytes'])}; "
@@ -290,7 +290,7 @@ def _disk_line(s: dict) -> str:
     return line
 
 
-def _hit_line(pc: dict | None) -> str:
+def hit_line(pc: dict | None) -> str:
     if not pc:
         return "no run had a prefix cache"
     return (
@@ -317,9 +317,9 @@ def render_md(s: dict, brief: bool = False) -> str:
         f"- {s['steps']} engine steps, {s['steps_per_s']} steps/s",
         f"- determinism: {s['determinism']['replayed']} runs replayed, "
         f"{len(s['determinism']['mismatches'])} mismatches",
-        f"- memory (RSS): {_rss_line(s['rss'])}",
-        f"- disk: {_disk_line(s)}",
-        f"- prefix cache: {_hit_line(s.get('prefix_cache'))}",
+        f"- memory (RSS): {rss_line(s['rss'])}",
+        f"- disk: {disk_line(s)}",
+        f"- prefix cache: {hit_line(s.get('prefix_cache'))}",
     ]
     out += [f"- **{s['stopped']}**"] if s["stopped"] else []
     out += [f"- rerun this soak: `{s['command']}`; ledger: `{s['ledger']}`"]
@@ -338,7 +338,7 @@ def render_md(s: dict, brief: bool = False) -> str:
             f"`{(m['digest'] or '')[:12]}` | `{m['replay_digest'][:12]}` | `{m['run_dir']}` |"
             for m in s["determinism"]["mismatches"]
         ]
-    out += ["", "## Incidents by fingerprint", "", f"Fingerprint: {_FP_LEGEND}. "]
+    out += ["", "## Incidents by fingerprint", "", f"Fingerprint: {FP_LEGEND}. "]
     out[-1] += "Fastest: the seed where it showed at the earliest step."
     out += ["", "| fingerprint | runs | first seed | fastest seed (step) | reproduce |"]
     out += ["|---|---|---|---|---|"]
@@ -353,7 +353,7 @@ def render_md(s: dict, brief: bool = False) -> str:
         out.append("| none | | | | |")
     out += ["", "## INCONCLUSIVE runs by cause", ""]
     if s["inconclusive"]:
-        out += [_CAUSE_NOTE, "", "| cause | runs | first seed | reports |", "|---|---|---|---|"]
+        out += [CAUSE_NOTE, "", "| cause | runs | first seed | reports |", "|---|---|---|---|"]
         out += [
             f"| {c['cause']} | {c['count']} | {c['first_seed']} | "
             + (", ".join(f"[{n + 1}]({x})" for n, x in enumerate(c["links"])) or "not kept")
@@ -362,7 +362,7 @@ def render_md(s: dict, brief: bool = False) -> str:
         ]
     else:
         out.append("none")
-    out += ["", f"## Kept runs ({len(s['kept'])})", "", f"{_KEPT_NOTE} runs/index.html", ""]
+    out += ["", f"## Kept runs ({len(s['kept'])})", "", f"{KEPT_NOTE} runs/index.html", ""]
     out += [
         f"- {link('seed {seed} {verdict}'.format(**k), k['link'])}: {WHY[k['why']]}, {k['mix']}"
         for k in s["kept"][:KEPT_ROWS]
