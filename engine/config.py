@@ -124,15 +124,6 @@ class CacheConfig:
         return self.max_blocks_per_seq * self.block_size
 
 
-def kv_bytes_per_block(model: ModelConfig, cache: CacheConfig) -> int:
-    return model.kv_bytes_per_token() * cache.block_size
-
-
-def blocks_in_budget(model: ModelConfig, block_size: int, budget_bytes: int) -> int:
-    """How many whole blocks fit in a memory budget."""
-    return budget_bytes // (model.kv_bytes_per_token() * block_size)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -20,7 +20,6 @@ from kvchaos.engine import (
     RequestRejected,
     State,
 )
-from kvchaos.engine.config import blocks_in_budget, kv_bytes_per_block
 from kvchaos.harness.run.oracle import Oracle
 
 VOCAB = 61
@@ -340,31 +339,6 @@ def test_kv_bytes_per_token(dtype, nbytes):
     m = ModelConfig(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
     assert m.dtype_bytes == nbytes
     assert m.kv_bytes_per_token() == 2 * 3 * 2 * 64 * nbytes
-    c = CacheConfig(block_size=16)
-    assert kv_bytes_per_block(m, c) == m.kv_bytes_per_token() * 16
-
-
-def test_blocks_in_budget():
-    m = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, dtype="float16")
-    per_block = 2 * 2 * 2 * 16 * 2 * 8  # bytes per token x block_size 8 = 2048
-    assert blocks_in_budget(m, 8, per_block * 10) == 10
-    assert blocks_in_budget(m, 8, per_block * 10 - 1) == 9  # whole blocks only
-    assert blocks_in_budget(m, 8, per_block - 1) == 0
-    assert blocks_in_budget(m, 16, per_block * 10) == 5
-    # a 1 GiB budget of a Llama-7B-shaped cache (32 layers, 32 KV heads, 128 dims, fp16):
-    # 512 KiB a token
-    llama = ModelConfig(
-        num_layers=32,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=32,
-        head_dim=128,
-        intermediate_size=11008,
-        vocab_size=32000,
-        dtype="float16",
-    )
-    assert llama.kv_bytes_per_token() == 512 * 1024
-    assert blocks_in_budget(llama, 16, 1 << 30) == 128
 
 
 def test_engine_rejects_non_protocol_block_manager():

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from kvchaos.harness.check.findings import CheckResult, Finding, judged_result
 
-KINDS = ("wrong_read", "unwritten_read", "poisoned_read")
-
 
 def read_kind(e: dict) -> str:
     """A kv_read event's kind: its first failing slot never written, computed from a wrong read
