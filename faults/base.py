@@ -7,10 +7,26 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal, get_args
 
 if TYPE_CHECKING:
     from kvchaos.engine.engine import Engine
+
+# The checkers, by name: the one list. Faults name their detectors with it, scenarios their
+# expected checkers, and harness/check/checkers.py runs one function for each, in this order.
+CheckerName = Literal[
+    "oracle_divergence",
+    "block_accounting",
+    "table_integrity",
+    "latency",
+    "cross_rank",
+    "liveness",
+    "manager_calls",
+    "admission",
+    "kv_reads",
+    "prefix_cache",
+]
+CHECKER_NAMES: tuple[str, ...] = get_args(CheckerName)
 
 
 class ParamError(ValueError):
@@ -112,7 +128,7 @@ BOOL = Bool()
 
 class Fault:
     name: str = ""
-    detectors: tuple[str, ...] = ()
+    detectors: tuple[CheckerName, ...] = ()
     root_cause: str = ""
     remediation: str = ""
     defaults: dict = {}

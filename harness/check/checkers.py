@@ -282,6 +282,7 @@ def check_liveness(
     return judged_result("liveness", found, len(submitted))
 
 
+# one function per name in faults.base.CHECKER_NAMES, in its order (tests/test_scenario.py)
 CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "oracle_divergence": check_oracle_divergence,
     "block_accounting": check_block_accounting,

@@ -29,22 +29,12 @@ except ModuleNotFoundError:  # Python 3.10
 
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
+from kvchaos.faults.base import CHECKER_NAMES
 from kvchaos.harness.scenario import footprint
 from kvchaos.harness.scenario.inputs import check_seed
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
-CHECKERS = (
-    "oracle_divergence",
-    "block_accounting",
-    "table_integrity",
-    "latency",
-    "cross_rank",
-    "liveness",
-    "manager_calls",
-    "admission",
-    "kv_reads",
-    "prefix_cache",
-)
+CHECKERS = CHECKER_NAMES
 
 
 # A name becomes part of a run folder's name: safe characters, bounded, never a path.
