@@ -1,47 +1,8 @@
 """The history: an append-only JSONL event log, flushed as the run goes and written before any
 checking, so a stored run can be re-checked without re-running it.
 
-Every event has "e" (its kind) and "step" (the engine step it belongs to; 0 before the first).
-Kinds and their fields:
-  run_start  scenario, seed, config, config_hash, commit, device, time
-  submit     req, prompt_len, max_new, parent (fork source or null), turn_of (a turn only: the
-             request whose prompt and output its prompt continues)
-  reject     req, error ("InvalidRequest" | "RequestRejected"), message
-  cancel     req, phase (waiting | prefill | decode | preempted), shared (held a block also held by
-             another sequence), blocks (the blocks it held)
-  step       latency_s, host_s (this rank's own host work), upload_s (its table upload part),
-             wait_s (on other real ranks before the model), free_blocks, running, waiting,
-             prefill_tokens, decode_tokens, preempted, tokens {req: token}, finished,
-             table_version, stale_ranks, rank_crcs, table_crc, cpu_s, and telemetry (RSS, CPU, GPU
-             fields) on sampled steps; harness_s (the harness's own snapshots inside the step,
-             already taken out of latency_s, host_s and upload_s)
-  snapshot   the kvchaos.engine.protocols.Snapshot fields, plus live (requests the engine is
-             running); taken as each step's table is uploaded (the table the kernels read), after
-             a step that ran nothing, and once more at the end of the run (stamped one past the
-             last step). A prefix cache (`cache`) is stored as its change since the snapshot
-             before: cache_added (entries), cache_removed ([block, key]), cache_n (its size);
-             harness.history.cache.apply_cache rebuilds it
-  engine     kind (cow | staging_realloc | hit | refusal | table_resync | ...), data; a hit: req,
-             known, answered, used, capped, blocks (those its admission found computed)
-  kv_record  ranks: the per-block writer record is on (a manager offering a prefix cache); step 0
-  kv_read    req (the READER), rank, index (entry of its row), block, slots (offsets in the block
-             read wrongly), pos (its positions there), writer (None: never written), writer_pos,
-             writer_step, via_hit (the block came with req's last cache hit), origin (set: the
-             KV was computed from a wrong read by that request), torn (written in a step that
-             raised); step is the step of the read
-  cache_mismatch  block, key, problem (partial | tokens | chain | parent), writers, written: a
-             cached block whose slots are not KV of its key's tokens (harness/run/cache_state.py)
-  hit_mismatch    req, index, block, problem (not_cached | tokens | parent): a hit's block that
-             its key does not name
-  fault      fault, kind ("armed" | "trigger" | "fired"), detail
-  oracle     req, checked, max_abs_err, max_rel_err, first_divergence, abs_err_at_divergence,
-             tolerance, divergence_step (engine step of the first divergent token, or null); step is
-             the step the request stopped producing tokens. Written when checked: requests are
-             checked in batches as they finish or are cancelled, and the rest when the run ends
-  error      error, message, traceback
-  run_end    reason (done | max_steps | interrupted | error), counters, fault_verify, kv_record
-             (with the record on: reads, slots_verified, shared_slots, own_ranks,
-             cache_untold: wrong cache entries past the 64 written as cache_mismatch)
+Its events, kind by kind, are typed in harness/history/events.py: the contract between the
+run that writes them and the checkers and reports that read them.
 """
 
 from __future__ import annotations

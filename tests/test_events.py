@@ -1,0 +1,63 @@
+"""The history's schema (harness/history/events.py) holds for what runs write: every event of
+recorded runs is of a known kind, has the keys its type requires and none it does not declare."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchaos.harness.history.events import KINDS
+from kvchaos.harness.run.runner import run_scenario
+from kvchaos.harness.scenario.spec import load_scenario
+
+
+def schema_problems(events: list[dict]) -> list[str]:
+    out = []
+    for i, e in enumerate(events):
+        t = KINDS.get(e.get("e"))
+        if t is None:
+            out.append(f"event {i}: unknown kind {e.get('e')!r}")
+            continue
+        missing = t.__required_keys__ - set(e)
+        extra = set(e) - t.__required_keys__ - t.__optional_keys__
+        if missing or extra:
+            out.append(
+                f"event {i} ({e['e']}): missing {sorted(missing)}, undeclared {sorted(extra)}"
+            )
+    return out
+
+
+# between them every kind a run writes when nothing breaks: rejects and cancels, foreign writes,
+# wrong reads, hit and cache mismatches, faults, the oracle and the reference
+SCENARIOS = [
+    "mixed-clean",
+    "table-overflow-detect",
+    "ordering-race-detect",
+    "prefix-cache-stale-revive-detect",
+    "prefix-cache-partial-key-detect",
+]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_recorded_events_are_as_their_types_say(name):
+    r = run_scenario(load_scenario(name), 0, report_dir=None)
+    assert schema_problems(r.events) == []
+
+
+def test_every_kind_is_seen_by_the_schema_test():
+    seen = set()
+    for name in SCENARIOS[1:3]:
+        seen |= {e["e"] for e in run_scenario(load_scenario(name), 0, report_dir=None).events}
+    assert {"foreign_write", "kv_read", "fault", "oracle", "reference", "run_end"} <= seen
+
+
+def test_a_schema_problem_is_named():
+    events = [
+        {"e": "submit", "step": 0, "req": "r0", "prompt_len": 3, "max_new": 2, "origin": "plan"},
+        {"e": "nonsense", "step": 0},
+        {"e": "kv_record", "step": 0, "ranks": 1, "extra": True},
+    ]
+    assert schema_problems(events) == [
+        "event 0 (submit): missing ['parent'], undeclared []",
+        "event 1: unknown kind 'nonsense'",
+        "event 2 (kv_record): missing [], undeclared ['extra']",
+    ]
