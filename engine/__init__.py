@@ -10,7 +10,7 @@ from kvchaos.engine.errors import (
     RequestRejected,
     TableOverflow,
 )
-from kvchaos.engine.protocols import BlockManagerProtocol, Snapshot
+from kvchaos.engine.protocols import KVManager, Snapshot
 from kvchaos.engine.sequence import State, StepOutput, StepStats
 
 __all__ = [
@@ -24,7 +24,7 @@ __all__ = [
     "OutOfBlocks",
     "RequestRejected",
     "TableOverflow",
-    "BlockManagerProtocol",
+    "KVManager",
     "Snapshot",
     "State",
     "StepOutput",

@@ -384,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--block-manager",
         metavar="MODULE:ATTR",
-        help="run under your own block manager (protocol v2: kvchaos.engine.protocols.KVManager; "
-        "v1 BlockManagerProtocol still runs), called as "
+        help="run under your own block manager (protocol v2: kvchaos.engine.protocols.KVManager), "
+        "called as "
         "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq); 'vllm': vLLM's own "
         "KVCacheManager from the installed vllm; 'sglang': SGLang's RadixCache and paged "
         "allocator from the installed sglang (docs/adapters.md)",

@@ -71,8 +71,7 @@ def pytest_addoption(parser) -> None:
         default=None,
         metavar="MODULE:ATTR",
         help="run every scenario under this block manager (protocol v2, "
-        "kvchaos.engine.protocols.KVManager, or v1 BlockManagerProtocol; 'vllm', 'sglang': "
-        "those engines' own)",
+        "kvchaos.engine.protocols.KVManager; 'vllm', 'sglang': those engines' own)",
     )
     g.addoption(
         "--kvchaos-timeout",
