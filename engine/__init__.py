@@ -18,7 +18,6 @@ _WHERE = {
     "OutOfBlocks": "errors",
     "RequestRejected": "errors",
     "TableOverflow": "errors",
-    "BlockManagerProtocol": "protocols",
     "Snapshot": "protocols",
     "State": "sequence",
     "StepOutput": "sequence",

@@ -4,9 +4,8 @@ Every call into the manager goes through here. The call in progress is recorded 
 (a hang or a process death can then name it), and an exception escaping it becomes ManagerError,
 naming the call and its arguments: a finding against the manager, never the harness's own ERROR.
 A refusal (OutOfBlocks, "no room") is an answer, not a crash: it passes through unchanged for the
-engine to schedule around. A v2 manager's answers are checked too (ANSWERS): a malformed one is a
-ManagerError (BadAnswer) like an exception. A v1 manager's Boundary keeps the v1 calls and records;
-V1Shim (engine/compat.py) speaks v2 over it."""
+engine to schedule around. Its answers are checked too (ANSWERS): a malformed one is a
+ManagerError (BadAnswer) like an exception."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ import traceback
 
 from kvchaos.engine.errors import KVChaosError, OutOfBlocks
 
-CALLS = ("blocks_needed", "append", "append_decode", "fork", "free", "resize_table", "snapshot")
-# Protocol v2 (a v1 manager keeps CALLS: V1Shim speaks v2 on its Boundary's behalf)
-CALLS_V2 = (
+CALLS = (
     "admit",
     "append",
     "append_decode",
@@ -118,7 +115,7 @@ def _check_release(freed, pool: int, *_) -> None:
         raise BadAnswer(f"answered {freed!r}: release answers True or False")
 
 
-# What a v2 answer must be (a malformed one is a ManagerError: the manager's bug)
+# What an answer must be (a malformed one is a ManagerError: the manager's bug)
 ANSWERS = {
     "admit": _check_admit,
     "append": _check_copies,
@@ -129,7 +126,7 @@ ANSWERS = {
 
 
 def check_answer(name: str, out, args: tuple, pool: int) -> None:
-    """Raise BadAnswer when a v2 call's answer is malformed or names a block outside the pool
+    """Raise BadAnswer when a call's answer is malformed or names a block outside the pool
     (pool: the manager's num_blocks). The one check the boundary, the check at load and
     conformance make."""
     check = ANSWERS.get(name)
@@ -150,24 +147,23 @@ class Boundary:
     # or ended the process. None (the default) costs one attribute read per call.
     watch = None
 
-    def __init__(self, manager, calls: tuple[str, ...] = CALLS) -> None:
+    def __init__(self, manager) -> None:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
-        object.__setattr__(self, "calls", dict.fromkeys(calls, 0))  # calls made, by name
+        object.__setattr__(self, "calls", dict.fromkeys(CALLS, 0))  # calls made, by name
         object.__setattr__(self, "refusals", 0)
         # seconds spent snapshotting for refusals (the harness's cost inside a step's timings)
         object.__setattr__(self, "snapshot_s", [0.0])
-        object.__setattr__(self, "validate", calls is CALLS_V2)  # v2 answers are checked
-        # ... against the pool it sized (num_blocks is fixed: the KV pool is allocated by it)
-        for name in calls:
+        for name in CALLS:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
-        object.__setattr__(self, "sized_blocks", self._read("num_blocks") if self.validate else 0)
+        # answers are checked against the pool it sized (the KV pool is allocated by num_blocks)
+        object.__setattr__(self, "sized_blocks", self._read("num_blocks"))
 
     def _guard(self, name: str, fn):
         calls = self.calls
         grows = name in ("admit", "append", "append_decode", "fork")
-        check = ANSWERS.get(name) if self.validate else None
+        check = ANSWERS.get(name)
 
         def call(*args, **kw):
             calls[name] += 1

@@ -18,18 +18,12 @@ import torch
 from kvchaos.engine.attention import paged_decode_torch
 from kvchaos.engine.batch import BatchBuilder
 from kvchaos.engine.block_manager import BlockManager
-from kvchaos.engine.boundary import CALLS_V2, Boundary
-from kvchaos.engine.compat import as_v2
+from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
 from kvchaos.engine.model import Model
 from kvchaos.engine.prefix_manager import PrefixCachingManager
-from kvchaos.engine.protocols import (
-    BlockManagerProtocol,
-    KVManager,
-    capabilities,
-    protocol_version,
-)
+from kvchaos.engine.protocols import NOT_V2, KVManager, capabilities, protocol_version
 from kvchaos.engine.ranks import RankGroup
 from kvchaos.engine.scheduler import reserve, schedule
 from kvchaos.engine.seams import Seams
@@ -55,9 +49,7 @@ def decode_backend(name: str):
 
 
 class Engine(BatchBuilder):
-    def __init__(
-        self, config: EngineConfig, block_manager: BlockManagerProtocol | KVManager | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: KVManager | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(config.device)
@@ -70,25 +62,19 @@ class Engine(BatchBuilder):
             manager = BlockManager(
                 cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq
             )
-        self.protocol = protocol_version(manager)
-        shape = KVManager if self.protocol >= 2 else BlockManagerProtocol
-        if not isinstance(manager, shape):
+        if protocol_version(manager) < 2:
+            raise TypeError(f"{type(manager).__name__} {NOT_V2}")
+        if not isinstance(manager, KVManager):
             raise TypeError(
-                f"{type(manager).__name__} does not implement kvchaos.engine.protocols."
-                f"{shape.__name__}"
+                f"{type(manager).__name__} does not implement kvchaos.engine.protocols.KVManager"
             )
-        # Every call into the manager recorded and guarded; the engine speaks v2 (a v1 manager
-        # through V1Shim, which calls its Boundary in v1 terms: its record is as it always was).
-        if self.protocol >= 2:
-            self.bm, self.offers = Boundary(manager, CALLS_V2), capabilities(manager)
-        else:
-            self.bm = as_v2(manager, Boundary(manager))
-            self.offers = self.bm.capabilities
-        self.capabilities = capabilities(manager)  # the manager's own (run records)
+        self.protocol = 2  # what the manager speaks (run records)
+        self.bm = Boundary(manager)  # every call into the manager recorded and guarded
+        self.capabilities = capabilities(manager)  # what it offers beyond the core
         self.reserved = tuple(getattr(manager, "reserved_blocks", ()) or ())  # never handed out
         self.table = (
             OwnedTable(self.bm)  # the manager writes the table the kernels read
-            if "own_table" in self.offers
+            if "own_table" in self.capabilities
             else BuiltTable(
                 self.bm,
                 cc.max_num_seqs,
@@ -96,9 +82,8 @@ class Engine(BatchBuilder):
                 lambda kind, data: self.seams.on_event(kind, data),
             )
         )
-        # planning asks the manager's estimate; v2 managers only about sequences they hold
-        self._estimates = "estimates" in self.offers
-        self._estimates_unseen = getattr(self.bm, "estimates_unseen", False)
+        # planning asks the manager's estimate, only about sequences it holds
+        self._estimates = "estimates" in self.capabilities
         self.record_writes = False  # the harness asks: blocks written per sequence, each step
         self.written: dict[str, dict[int, set[int]]] = {}  # seq -> block -> ranks writing it
         self.seams = Seams()
@@ -144,7 +129,7 @@ class Engine(BatchBuilder):
             "refusals": 0,  # OutOfBlocks answers of the manager (admission, growth, fork)
             "refusals_with_room": 0,  # ... while its own counts said the blocks were free
         }
-        if "prefix_cache" in self.offers:  # (absent otherwise: older histories stay as they were)
+        if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(
                 admissions=0,
                 known_tokens=0,  # tokens known at admission (prompt; + output on readmission)
@@ -293,7 +278,7 @@ class Engine(BatchBuilder):
     def estimate(self, seq: Sequence, n: int) -> int:
         """Free blocks n more tokens of seq should take: the manager's estimate where it gives
         one, else the blocks those positions add (the engine never asks about an unseen id)."""
-        if self._estimates and (seq.holds or self._estimates_unseen):
+        if self._estimates and seq.holds:
             return self.bm.blocks_needed(seq.id, n)
         bs, held = self.bm.block_size, seq.num_computed if seq.holds else 0
         return -(-(held + n) // bs) - -(-held // bs)
@@ -378,7 +363,7 @@ class Engine(BatchBuilder):
             s.num_computed += 1
         for s, n in prefill:
             s.num_computed += n
-        if "end_step" in self.offers:
+        if "end_step" in self.capabilities:
             self.bm.end_step({s.id: s.num_computed for s in (*decode, *(p for p, _ in prefill))})
         out_tokens, out_logits, finished = {}, {}, []
         if emit:

@@ -1,30 +1,14 @@
-"""The BlockManager protocol: what the engine needs from a block manager, so a user's own can run
-under kvchaos (`--block-manager module:attr`). First protocol v1 (deprecated: it runs through
-kvchaos.engine.compat.V1Shim), then v2, which both references speak:
-kvchaos.engine.block_manager.BlockManager and kvchaos.engine.prefix_manager.PrefixCachingManager.
+"""The block manager protocol (v2, `KVManager`; docs/protocol-v2.md section 1): what the engine
+needs from a block manager, so a user's own can run under kvchaos (`--block-manager module:attr`).
+Both references speak it: kvchaos.engine.block_manager.BlockManager and
+kvchaos.engine.prefix_manager.PrefixCachingManager.
 
-Contract of v1, in words:
-- Sequences are keyed by string ids. `append(seq, n)` reserves slots for n more tokens (a new id
-  starts a sequence) and returns the (src, dst) block copies the engine must apply for
-  copy-on-write; it is atomic: it raises kvchaos.engine.errors.OutOfBlocks and changes nothing when
-  the pool cannot cover it.
-- `blocks_needed(seq, n)` is how many free blocks append(seq, n) would take (copy-on-write
-  included); `num_free_rows` how many more sequences can start.
-- `fork(parent, child)` (optional: the "fork" capability) makes child share every block of
-  parent; a manager without it gets a parallel sample as a fresh request that computes itself.
-- `capabilities` (optional) declares what the manager offers beyond the core: "fork",
-  "seq_tokens" (its snapshot carries per-sequence token counts). Undeclared, they are inferred
-  from what it has. A path a manager lacks is "not applicable", never a failure.
-- `free(seq)` releases everything seq holds; it is idempotent (returns False for an unknown id).
-- `table` is the flat block table: `rows`, `width`, `host_tensor` (a flat int32 CPU tensor of
-  rows * width entries, entry (row, i) at row * width + i, -1 unused), `bound_check`,
-  `overflow_writes`. Row r of the table maps sequence `seq_rows[seq]`'s block list.
-- `snapshot()` is read-only and returns a Snapshot.
-
-Protocol v2 (`KVManager`, docs/protocol-v2.md section 1) adds prefix caching: a manager declaring
-`kvchaos_protocol = 2` answers `admit` with the tokens it already holds, is told `release` reasons,
-and may leave the block table to the engine. Everything beyond KVManager's members is optional,
-each behind a capability (the small protocols below).
+A manager declares `kvchaos_protocol = 2`; one that does not is refused (the first protocol, v1,
+was removed in 0.2: docs/adapters.md has the migration table). It answers `admit` with the tokens
+it already holds (a prefix cache), is told `release` reasons, and may leave the block table to the
+engine. Sequences are keyed by string ids; every growth is atomic (OutOfBlocks changes nothing).
+Everything beyond KVManager's members is optional, each behind a capability (the small protocols
+below); a path a manager lacks is "not applicable", never a failure.
 """
 
 from __future__ import annotations
@@ -49,8 +33,8 @@ class CacheEntry(TypedDict):
 @dataclass
 class Snapshot:
     """A read-only picture of a block manager, for checkers. Plain data (JSON-able). The fields
-    after seq_blocks are optional: a v1 manager fills the table ones, the engine does for a v2
-    manager whose table it builds."""
+    after seq_blocks are optional: a manager declaring "own_table" fills the table ones, the engine
+    does for a manager whose table it builds."""
 
     num_blocks: int
     free: list[int]
@@ -70,7 +54,6 @@ class Snapshot:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-V1_CAPABILITIES = ("fork", "seq_tokens")
 CAPABILITIES = (
     "fork",
     "seq_tokens",
@@ -83,42 +66,27 @@ CAPABILITIES = (
 )
 
 
+# Why a manager without the declaration is refused, at the door and by the engine (one line)
+NOT_V2 = (
+    "does not declare kvchaos_protocol = 2: protocol v1 was removed in kvchaos 0.2; move it to v2 "
+    "with the migration table in docs/adapters.md ('Moving a manager from the first protocol to "
+    "v2')"
+)
+
+
 def protocol_version(manager) -> int:
-    """2 for a manager declaring `kvchaos_protocol >= 2`, else 1."""
+    """2 for a manager declaring `kvchaos_protocol >= 2`, else 1 (refused: NOT_V2)."""
     v = getattr(manager, "kvchaos_protocol", 1)
     return 2 if isinstance(v, int) and not isinstance(v, bool) and v >= 2 else 1
 
 
 def capabilities(manager) -> frozenset[str]:
-    """What a manager offers beyond the core protocol: declared, or inferred from what it has.
-    A v1 manager is judged on the v1 names only, exactly as before v2."""
-    v1 = protocol_version(manager) < 2
-    known = frozenset(V1_CAPABILITIES if v1 else CAPABILITIES)
+    """What a manager offers beyond the core protocol: declared, or inferred from what it has."""
     declared = getattr(manager, "capabilities", None)
     if declared is not None:
-        return frozenset(declared) & known
-    if v1:
-        return frozenset({"fork"} if callable(getattr(manager, "fork", None)) else set())
+        return frozenset(declared) & frozenset(CAPABILITIES)
     # seq_tokens, prefix_cache and cache_state are in what snapshot() returns: declared only
     return frozenset(name for name, shape in INFERABLE.items() if isinstance(manager, shape))
-
-
-@runtime_checkable
-class BlockManagerProtocol(Protocol):
-    block_size: int
-    table: object
-
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_free_rows(self) -> int: ...
-    def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int: ...
-    def append(self, seq_id: str, num_new_tokens: int) -> list[tuple[int, int]]: ...
-    def free(self, seq_id: str) -> bool: ...
-    def resize_table(self, rows: int | None = None, width: int | None = None) -> None: ...
-    def snapshot(self) -> Snapshot: ...
 
 
 @runtime_checkable
@@ -185,8 +153,10 @@ class EndStep(Protocol):  # "end_step": tokens now computed per sequence, after 
 
 
 @runtime_checkable
-class OwnTable(Protocol):  # "own_table": the manager writes the table (as every v1 manager)
-    table: object  # rows: dict[str, int] optional (else snapshot().seq_rows)
+class OwnTable(Protocol):  # "own_table": the manager writes the table the kernels read
+    # rows, width, host_tensor (flat int32 on the CPU: entry (row, i) at row * width + i, -1
+    # unused), bound_check, overflow_writes; rows: dict[str, int] optional (else seq_rows)
+    table: object
 
     @property
     def num_free_rows(self) -> int: ...

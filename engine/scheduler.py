@@ -94,7 +94,6 @@ def reserve(engine, decode: list, prefill: list, preempted: list[str]):
 
 def _prefill(engine, decode: list, prefill: list, copies: list):
     bm, table, ran, back = engine.bm, engine.table, [], []
-    admit_call = "append" if engine.protocol < 2 else "admit"  # as the manager was called
     for s, n in prefill:
         try:
             if not s.holds:  # admission: the manager answers the tokens it has computed already
@@ -113,7 +112,7 @@ def _prefill(engine, decode: list, prefill: list, copies: list):
                 copies += got
                 ran.append((s, n))
         except OutOfBlocks as no:
-            engine.refused(admit_call if not s.holds else "append", s.id, n, no)
+            engine.refused("admit" if not s.holds else "append", s.id, n, no)
             if not s.holds:
                 table.drop(s.id)
                 back.append(s)  # holds nothing yet: back to the queue, first in line

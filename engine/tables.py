@@ -1,7 +1,7 @@
 """The block table the kernels read, whoever writes it (docs/protocol-v2.md section 2).
 
-A v1 manager (and a v2 one declaring "own_table") writes its own table: `OwnedTable` reads it
-through the manager. Any other v2 manager only answers `block_ids(seq)`, as vLLM's does (its
+A manager declaring "own_table" writes its own table: `OwnedTable` reads it through the
+manager. Any other manager only answers `block_ids(seq)`, as vLLM's does (its
 worker owns the table): `BuiltTable` keeps the rows and writes each sequence's new entries into a
 flat `BlockTable`, the same buffer, bound check and spill as the reference manager's own.
 """
@@ -17,7 +17,7 @@ from kvchaos.engine.errors import OutOfBlocks
 
 class TableComponent(Protocol):
     table: BlockTable  # the flat rows x width buffer the kernels read and upload
-    owned: bool  # True: the manager writes it (own_table / v1)
+    owned: bool  # True: the manager writes it (own_table)
     rows: Mapping[str, int]  # live seq -> row
 
     @property

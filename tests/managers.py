@@ -1,7 +1,8 @@
 """Block managers written as a user would: behaviours real managers have (preallocation, refusals
 under pressure, a watermark) and bugs they ship (rows left behind, crashes, a refusal that leaves
-a trace). Plugged in by spec, e.g. "managers:Preallocating". Delegate and its subclasses speak
-protocol v1 (through the shim); the reference BlockManager's subclasses and PlainV2, v2."""
+a trace). Plugged in by spec, e.g. "managers:Preallocating". Every one speaks protocol v2:
+Delegate and its subclasses forward to the reference BlockManager, others subclass it, and PlainV2
+is written from scratch."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from kvchaos.engine.protocols import Snapshot
 HIDDEN = "__reserve__"  # a manager's own holder of preallocated blocks
 
 
-def grow(bm: BlockManager, seq_id: str, n: int) -> list[tuple[int, int]]:
-    """v1's append(seq_id, n) on the v2 reference (which counts tokens: any n ids do)."""
+def reserve(bm: BlockManager, seq_id: str, n: int) -> list[tuple[int, int]]:
+    """Slots for n more tokens of seq_id on the reference (admitted when new): it counts tokens,
+    so any n ids do."""
     if seq_id in bm.rows:
         return bm.append(seq_id, range(n))
     bm.admit(seq_id, range(n), n, 0)
@@ -30,7 +32,12 @@ def grow(bm: BlockManager, seq_id: str, n: int) -> list[tuple[int, int]]:
 
 
 class Delegate:
-    """Protocol v1, forwarded to the reference manager (which speaks v2)."""
+    """Protocol v2, forwarded to the reference manager, with every growth (admit or append) one
+    call of `grow`: the managers below change what it does. No batched decode, so each decode is
+    an append of its own and meets the same rules."""
+
+    kvchaos_protocol = 2
+    capabilities = frozenset({"fork", "seq_tokens", "estimates", "own_table"})
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq) -> None:
         self.inner = BlockManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
@@ -45,15 +52,25 @@ class Delegate:
     def blocks_needed(self, seq_id, n):
         return self.inner.blocks_needed(seq_id, n)
 
-    def append(self, seq_id, n):
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        self.grow(seq_id, min(num_new_tokens, len(token_ids)))
+        return 0  # no prefix cache
+
+    def append(self, seq_id, token_ids):
+        return self.grow(seq_id, len(token_ids))
+
+    def grow(self, seq_id, n):
         self.calls += 1
-        return grow(self.inner, seq_id, n)
+        return reserve(self.inner, seq_id, n)
+
+    def block_ids(self, seq_id):
+        return self.inner.block_ids(seq_id)
 
     def fork(self, parent_id, child_id):
         self.inner.fork(parent_id, child_id)
 
-    def free(self, seq_id):
-        return self.inner.release(seq_id, "finished")
+    def release(self, seq_id, reason):
+        return self.inner.release(seq_id, reason)
 
     def resize_table(self, rows=None, width=None):
         self.inner.resize_table(rows, width)
@@ -68,20 +85,20 @@ class Preallocating(Delegate):
 
     SPARE = 2
 
-    def append(self, seq_id, n):
+    def grow(self, seq_id, n):
         self.calls += 1
         try:
-            copies = grow(self.inner, seq_id, n)
+            copies = reserve(self.inner, seq_id, n)
         except OutOfBlocks:
             spare = len(self.inner.blocks.get(HIDDEN, []))
             if self.inner.blocks_needed(seq_id, n) > self.inner.num_free_blocks + spare:
                 raise  # even the reserve would not do: refuse, changing nothing
             self.inner.release(HIDDEN, "aborted")  # the reserve goes first, then the request
-            return grow(self.inner, seq_id, n)
+            return reserve(self.inner, seq_id, n)
         have = len(self.inner.blocks.get(HIDDEN, []))
         if have < self.SPARE and self.inner.num_free_blocks > 8 and self.inner.num_free_rows > 1:
             try:
-                grow(self.inner, HIDDEN, self.block_size * (self.SPARE - have))
+                reserve(self.inner, HIDDEN, self.block_size * (self.SPARE - have))
             except OutOfBlocks:
                 pass
         return copies
@@ -97,23 +114,22 @@ class RefusesWhenLow(Delegate):
         super().__init__(*a)
         self.rng = random.Random(7)
 
-    def append(self, seq_id, n):
+    def grow(self, seq_id, n):
         self.calls += 1
         if self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.rng.random() < 0.3:
             raise OutOfBlocks(f"{seq_id}: not now")
-        return grow(self.inner, seq_id, n)
+        return reserve(self.inner, seq_id, n)
 
 
 class Watermark(Delegate):
     """Admits a new sequence only while a tenth of the pool would stay free: refuses with room."""
 
-    def append(self, seq_id, n):
-        self.calls += 1
-        if seq_id not in self.inner.rows:
-            left = self.inner.num_free_blocks - self.inner.blocks_needed(seq_id, n)
-            if left < self.inner.num_blocks // 10:
-                raise OutOfBlocks(f"{seq_id}: under the watermark")
-        return grow(self.inner, seq_id, n)
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        n = min(num_new_tokens, len(token_ids))
+        left = self.inner.num_free_blocks - self.inner.blocks_needed(seq_id, n)
+        if left < self.inner.num_blocks // 10:
+            raise OutOfBlocks(f"{seq_id}: under the watermark")
+        return super().admit(seq_id, token_ids, num_new_tokens, max_computed)
 
 
 class NoFork(Delegate):
@@ -126,12 +142,12 @@ class NoFork(Delegate):
 class TracedRefusal(Delegate):
     """A refusal that leaves a trace: when it says no, it has already taken a block."""
 
-    def append(self, seq_id, n):
+    def grow(self, seq_id, n):
         self.calls += 1
         if self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.calls % 5 == 0:
             self.inner.pool.allocate()  # taken, never given back
             raise OutOfBlocks(f"{seq_id}: not now")
-        return grow(self.inner, seq_id, n)
+        return reserve(self.inner, seq_id, n)
 
 
 class LeavesRowsBehind(BlockManager):
@@ -216,7 +232,8 @@ class SkipsCopyOnWrite(BlockManager):
 
 
 class WithoutFork(Delegate):
-    """Has no fork at all (declares no such capability): parallel samples are fresh requests."""
+    """Has no fork at all and declares nothing beyond the core protocol (so the engine builds its
+    table from block_ids): parallel samples are fresh requests."""
 
     fork = None
     capabilities = frozenset()
@@ -225,13 +242,13 @@ class WithoutFork(Delegate):
 class RefusalBumpsRef(Delegate):
     """A refusal that leaves a trace the free count cannot show: it bumps a held block's ref."""
 
-    def append(self, seq_id, n):
+    def grow(self, seq_id, n):
         self.calls += 1
         held = [b for bs in self.inner.blocks.values() for b in bs]
         if held and self.inner.num_free_blocks < self.inner.num_blocks // 4 and self.calls % 5 == 0:
             self.inner.pool.incref(held[0])  # one more holder nobody will release
             raise OutOfBlocks(f"{seq_id}: not now")
-        return grow(self.inner, seq_id, n)
+        return reserve(self.inner, seq_id, n)
 
 
 # -- managers that hang or end the process (tests/test_isolation.py) --------------------------
@@ -316,7 +333,7 @@ _RUNS_IN_THIS_PROCESS = 0  # module-level state: what a fresh worker per run sta
 
 
 class CountsRunsInItsModule(Delegate):
-    """Counts its instances in its module; from the second in one process on, free() keeps the
+    """Counts its instances in its module; from the second in one process on, release() keeps the
     blocks (a leak the run's checkers find, a smoke test of the calls' answers does not)."""
 
     def __init__(self, *a) -> None:
@@ -325,8 +342,8 @@ class CountsRunsInItsModule(Delegate):
         _RUNS_IN_THIS_PROCESS += 1
         self.nth = _RUNS_IN_THIS_PROCESS
 
-    def free(self, seq_id):
-        return True if self.nth > 1 else super().free(seq_id)
+    def release(self, seq_id, reason):
+        return True if self.nth > 1 else super().release(seq_id, reason)
 
 
 class OrdersItsPoolByHash(Delegate):
@@ -347,14 +364,15 @@ class ShufflesItsPool(Delegate):
 
 
 class WaitsForCtrlC(Delegate):
-    """At its sixth append (a smoke test makes three) it marks the file $KVCHAOS_TEST_MARK names
-    and waits inside the call: the test then presses Ctrl-C on the runner."""
+    """At its sixth growth (the door's smoke test makes four) it marks the file
+    $KVCHAOS_TEST_MARK names and waits inside the call: the test then presses Ctrl-C on the
+    runner."""
 
-    def append(self, seq_id, n):
+    def grow(self, seq_id, n):
         if self.calls == 5:
             open(os.environ["KVCHAOS_TEST_MARK"], "w").close()
             time.sleep(30)  # the runner's word (SIGUSR2) reaches the worker here
-        return super().append(seq_id, n)
+        return super().grow(seq_id, n)
 
 
 class SharesFullBlocksOnly(Delegate):
@@ -377,10 +395,10 @@ class HidesSharing(BlockManager):
 
 
 class NoRollback(Delegate):
-    """append is not atomic: it takes blocks one at a time and, when the pool runs dry, refuses
+    """Growth is not atomic: it takes blocks one at a time and, when the pool runs dry, refuses
     with the blocks it took still attached to the sequence."""
 
-    def append(self, seq_id, n):
+    def grow(self, seq_id, n):
         self.calls += 1
         inner = self.inner
         if seq_id in inner.rows and inner.blocks_needed(seq_id, n) > inner.num_free_blocks:
@@ -389,7 +407,7 @@ class NoRollback(Delegate):
                 blocks.append(inner.pool.allocate())
                 inner.table.write(row, len(blocks) - 1, blocks[-1])
             raise OutOfBlocks(f"{seq_id}: the pool ran dry")
-        return grow(self.inner, seq_id, n)
+        return reserve(self.inner, seq_id, n)
 
 
 class HangsWhenBuilt(BlockManager):

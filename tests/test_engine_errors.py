@@ -342,5 +342,10 @@ def test_kv_bytes_per_token(dtype, nbytes):
 
 
 def test_engine_rejects_non_protocol_block_manager():
-    with pytest.raises(TypeError, match="BlockManagerProtocol"):
+    with pytest.raises(
+        TypeError, match=r"object does not declare kvchaos_protocol = 2: protocol v1"
+    ):
         Engine(EngineConfig(model=MODEL), block_manager=object())
+    declares = type("Declares", (), {"kvchaos_protocol": 2})()
+    with pytest.raises(TypeError, match="Declares does not implement kvchaos.engine.protocols.KV"):
+        Engine(EngineConfig(model=MODEL), block_manager=declares)

@@ -1,5 +1,6 @@
-"""A block manager is checked before any run: loaded, built on a tiny pool, its attributes and a
-smoke sequence (append, fork, free, snapshot). Whatever is wrong is one line and exit 2 (in
+"""A block manager is checked before any run: loaded, built on a tiny pool, its declaration of
+protocol v2 (one without it is refused, naming the migration table), its attributes and a smoke
+sequence (admit, append, fork, release, snapshot). Whatever is wrong is one line and exit 2 (in
 pytest, a usage error, never INTERNALERROR); a module of the current directory is importable.
 And a manager that shares only full blocks (no copy-on-write) runs its forks to PASS: each fork
 it refuses becomes a fresh request."""
@@ -55,6 +56,24 @@ MODULES = {
             def fork(self, parent_id, child_id):
                 return [][0]
         """,
+    "bm_v1.py": """
+        from kvchaos.engine.protocols import Snapshot
+
+        class FirstProtocol:
+            block_size, num_blocks, num_free_blocks, num_free_rows = 2, 8, 8, 4
+
+            def __init__(self, *args):
+                pass
+
+            def append(self, seq_id, num_new_tokens):
+                return []
+
+            def free(self, seq_id):
+                return False
+
+            def snapshot(self):
+                return Snapshot(8, list(range(8)), [0] * 8, {})
+        """,
     "bm_v2.py": """
         from kvchaos.engine.protocols import Snapshot
 
@@ -107,7 +126,7 @@ MODULES = {
 BAD = [
     ("bm_none:NOTHING", "'bm_none:NOTHING' is NoneType, not a block manager class or factory"),
     ("bm_plain:PLAIN", "'bm_plain:PLAIN' is object, not a block manager class or factory"),
-    ("bm_plain:Plain", "Plain is not a block manager: it lacks block_size, table, num_blocks"),
+    ("bm_plain:Plain", "'bm_plain:Plain': Plain does not declare kvchaos_protocol = 2: protocol"),
     ("bm_plain:returns_none", "'bm_plain:returns_none'(8, 2, 4, 4) returned None"),
     ("os:path.join", "calling it on a tiny pool (8, 2, 4, 4: num_blocks, block_size, max_num"),
     ("bm_explodes:Explodes", "raised RuntimeError: no GPU here"),
@@ -145,6 +164,27 @@ def test_a_bad_block_manager_is_one_line_and_exit_2_before_any_run(capsys, user_
     assert rc == 2 and out == "", out
     assert err.startswith("kvchaos: error: ") and err.count("\n") == 1 and message in err, err
     assert "Traceback" not in err and not (user_dir / "r").exists()
+
+
+NOT_V2 = (  # the whole line, after the spec
+    "FirstProtocol does not declare kvchaos_protocol = 2: protocol v1 was removed in kvchaos 0.2; "
+    "move it to v2 with the migration table in docs/adapters.md ('Moving a manager from the first "
+    "protocol to v2')"
+)
+
+
+@pytest.mark.parametrize(
+    "command", [["run", "baseline-clean", "--report-dir", "r"], ["conformance"]]
+)
+def test_a_manager_of_the_first_protocol_is_refused_in_one_line_naming_the_migration_table(
+    capsys, user_dir, command
+):
+    rc = main([*command, "--block-manager", "bm_v1:FirstProtocol"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
+    assert err == f"kvchaos: error: 'bm_v1:FirstProtocol': {NOT_V2}\n", err
+    heading = "## Moving a manager from the first protocol to v2"
+    assert heading in (Path(__file__).parents[1] / "docs" / "adapters.md").read_text()
 
 
 def test_a_module_not_found_says_where_kvchaos_looked_and_what_to_do(user_dir):
@@ -200,19 +240,27 @@ def test_a_module_of_the_current_directory_is_importable(tmp_path):
     assert "12 of 12 applicable properties passed" in p.stdout  # v2, as the plain reference
 
 
-def test_in_pytest_a_bad_block_manager_is_a_usage_error(pytester):
-    pytester.makepyfile(bm_explodes=textwrap.dedent(MODULES["bm_explodes.py"]))
+@pytest.mark.parametrize(
+    "module, spec, message",
+    [
+        (
+            "bm_explodes",
+            "bm_explodes:Explodes",
+            "calling it on a tiny pool (8, 2, 4, 4: num_blocks, block_size, max_num_seqs, "
+            "max_blocks_per_seq) raised RuntimeError: no GPU here",
+        ),
+        ("bm_v1", "bm_v1:FirstProtocol", NOT_V2),
+    ],
+)
+def test_in_pytest_a_bad_block_manager_is_a_usage_error(pytester, module, spec, message):
+    pytester.makepyfile(**{module: textwrap.dedent(MODULES[f"{module}.py"])})
     pytester.makepyfile(test_mine="def test_mine():\n    pass\n")
-    res = pytester.runpytest_subprocess("--kvchaos-block-manager", "bm_explodes:Explodes")
+    res = pytester.runpytest_subprocess("--kvchaos-block-manager", spec)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     err = res.stderr.str()
     assert "INTERNALERROR" not in err + res.stdout.str() and "Traceback" not in err
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines == [
-        "ERROR: --kvchaos-block-manager: 'bm_explodes:Explodes': calling it on a tiny pool "
-        "(8, 2, 4, 4: num_blocks, block_size, max_num_seqs, max_blocks_per_seq) raised "
-        "RuntimeError: no GPU here"
-    ], err
+    assert lines == [f"ERROR: --kvchaos-block-manager: {spec!r}: {message}"], err
 
 
 def test_replay_checks_an_overriding_block_manager_first(tmp_path, capsys):

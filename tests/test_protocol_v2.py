@@ -1,27 +1,19 @@
 """Protocol v2's types (docs/protocol-v2.md section 1): a v2 manager is recognised by shape, its
 snapshot's optional fields stay out of to_dict until given, and capabilities are declared or
-inferred per protocol version, the v1 inference unchanged."""
+inferred."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.protocols import (
     CAPABILITIES,
     INFERABLE,
     REASONS,
-    BlockManagerProtocol,
     KVManager,
     Snapshot,
     capabilities,
     protocol_version,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
-
-from managers import Delegate  # noqa: E402  a v1 manager
 
 
 class FakeV2:
@@ -75,6 +67,14 @@ class FakeV2:
         )
 
 
+class Undeclared:
+    """FakeV2's members, without kvchaos_protocol."""
+
+    block_size = 4
+    num_blocks = num_free_blocks = 8
+    admit = append = block_ids = release = snapshot = staticmethod(lambda *a: None)
+
+
 class FakeV2Full(FakeV2):
     """Every optional member a v2 manager may have."""
 
@@ -103,15 +103,14 @@ class FakeV2OwnTable(FakeV2):
         pass
 
 
-def test_v2_manager_is_a_kvmanager_and_v1_is_not():
+def test_a_v2_manager_is_a_kvmanager():
     m = FakeV2()
     assert isinstance(m, KVManager)
     assert protocol_version(m) == 2
     assert m.admit("a", list(range(6)), 6, 5) == 0 and m.block_ids("a") == [0, 1]
     assert m.release("a", "finished") and not m.release("a", "finished")  # idempotent
-    v1 = Delegate(8, 4, 2, 4)
-    assert not isinstance(v1, KVManager) and isinstance(v1, BlockManagerProtocol)
-    assert protocol_version(v1) == 1
+    undeclared = Undeclared()  # v2's members, no kvchaos_protocol: refused (v1 was removed)
+    assert not isinstance(undeclared, KVManager) and protocol_version(undeclared) == 1
     ref = BlockManager(8, 4, 2, 4)  # the plain reference: v2, its own table
     assert isinstance(ref, KVManager) and protocol_version(ref) == 2
 
@@ -170,21 +169,6 @@ def test_the_plain_reference_declares_what_it_offers():
     assert capabilities(ref) == offered
     inferred = {name for name, shape in INFERABLE.items() if isinstance(ref, shape)}
     assert inferred == offered - {"seq_tokens"}  # the declaration matches its members
-
-
-def test_v1_capabilities_unchanged():
-    assert capabilities(Delegate(8, 4, 2, 4)) == {"fork"}
-
-    class Undeclared:
-        def fork(self, parent_id, child_id): ...
-        def end_step(self, computed): ...
-
-    assert capabilities(Undeclared()) == {"fork"}  # a v1 manager infers fork only, as before
-
-    class DeclaresV2Names:
-        capabilities = frozenset({"fork", "prefix_cache", "own_table"})
-
-    assert capabilities(DeclaresV2Names()) == {"fork"}
 
 
 def test_release_reasons():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvchaos.harness.tools.shrink import main as shrink_main
 from kvchaos.harness.tools.soak_space import generate_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
+V1_ERA = ROOT / "tests" / "v1_era_run"  # recorded under protocol v1, before its removal
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +222,23 @@ def test_a_run_recorded_before_one_import_name_still_replays_and_analyzes(run_di
     assert out["block_manager_spec"] is None  # the reference: no --block-manager needed
     assert cli_main(["analyze", str(run_dir), "--no-plots"]) == 0
     assert "suspected" not in (run_dir / "incident-001.md").read_text()
+
+
+def test_a_run_recorded_under_protocol_v1_still_analyzes(tmp_path, capsys):
+    """A folder from a v1 manager (a leaky one, run through the shim kvchaos 0.1 had): its calls
+    were append and free. analyze reads the history as data and finds the same leak."""
+    run = tmp_path / "v1-era-s0"
+    shutil.copytree(V1_ERA, run)
+    stored = json.loads((run / "results.json").read_text())
+    end = json.loads((run / "history.jsonl").read_text().splitlines()[-1])
+    assert stored["block_manager_protocol"] == 1 and end["e"] == "run_end"
+    assert end["manager_calls"]["free"] == 6 and "release" not in end["manager_calls"]
+    assert cli_main(["analyze", str(run), "--no-plots"]) == stored["exit_code"] == 11
+    assert f"{run}: FAIL (same as stored)" in capsys.readouterr().out
+    again = json.loads((run / "results.json").read_text())
+    for key in ("verdict", "history_digest", "time_to_detect_steps"):
+        assert again[key] == stored[key], key
+    fired = [c["checker"] for c in again["checkers"] if c["valid"] is False]
+    assert fired == ["block_accounting"]
+    assert again["exercised"]["frees"] == 6  # v1's free calls count as releases
+    assert "4 blocks leaked in v1era:LeakyV1" in (run / "incident-001.md").read_text()

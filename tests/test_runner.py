@@ -11,7 +11,7 @@ import pytest
 
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.engine import Engine
-from kvchaos.engine.protocols import BlockManagerProtocol
+from kvchaos.engine.protocols import KVManager
 from kvchaos.harness.check.checkers import run_checkers
 from kvchaos.harness.history.log import UNSTABLE_KEYS, deterministic_digest, read_history
 from kvchaos.harness.report.render import publish
@@ -327,9 +327,9 @@ def test_no_report_dir_writes_nothing(tiny, tmp_path, monkeypatch):
 
 
 # -- a user's own BlockManager -----------------------------------------------------------------
-class ProtocolOnlyBM(managers.Delegate):
-    """A user's block manager that offers only the first protocol, BlockManagerProtocol (v1: no
-    fast decode path, no `rows`), here by forwarding to the reference one (which speaks v2)."""
+class ForwardingBM(managers.Delegate):
+    """A user's block manager that forwards every call to the reference one, without its fast
+    decode path (append_decode) or `rows`."""
 
 
 class LeakyBM(BlockManager):
@@ -344,19 +344,18 @@ class LeakyBM(BlockManager):
         return super().release(seq_id, reason)
 
 
-def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
-    assert isinstance(ProtocolOnlyBM(8, 4, 2, 4), BlockManagerProtocol)
+def test_a_forwarding_block_manager_runs_the_same_run(tiny, tmp_path):
+    assert isinstance(ForwardingBM(8, 4, 2, 4), KVManager)
     ref = run_scenario(tiny, 1, report_dir=tmp_path / "ref", block_manager=BlockManager)
-    own = run_scenario(tiny, 1, report_dir=tmp_path / "own", block_manager=ProtocolOnlyBM)
+    own = run_scenario(tiny, 1, report_dir=tmp_path / "own", block_manager=ForwardingBM)
     assert own.verdict == ref.verdict == "PASS"
     ev_ref, ev_own = (read_history(r.run_dir / "history.jsonl") for r in (ref, own))
     start = next(e for e in ev_own if e["e"] == "run_start")
-    assert start["block_manager"] == f"{__name__}:ProtocolOnlyBM"
-    assert own.results["replay"].endswith(f"--block-manager {__name__}:ProtocolOnlyBM")
+    assert start["block_manager"] == f"{__name__}:ForwardingBM"
+    assert own.results["replay"].endswith(f"--block-manager {__name__}:ForwardingBM")
 
-    # same decisions, block for block: the v1 manager through the shim, the plain reference in
-    # v2; everything but the run_start line and the count of calls by name (v1 names, no
-    # append_decode: its decodes come as appends) is identical
+    # same decisions, block for block; everything but the run_start line and the count of calls
+    # by name (no append_decode: its decodes come as appends) is identical
     def same(events):
         return [
             {k: v for k, v in strip(e).items() if k != "manager_calls"}
@@ -368,7 +367,7 @@ def test_protocol_only_block_manager_runs_the_same_run(tiny, tmp_path):
 
 
 def test_block_manager_by_spec_string(tiny):
-    r = run_scenario(tiny, 0, report_dir=None, block_manager_spec=f"{__name__}:ProtocolOnlyBM")
+    r = run_scenario(tiny, 0, report_dir=None, block_manager_spec=f"{__name__}:ForwardingBM")
     assert r.verdict == "PASS"
     bad = run_scenario(tiny, 0, report_dir=None, block_manager_spec="nosuch_module_xyz:BM")
     assert bad.verdict == "ERROR" and "cannot import nosuch_module_xyz" in bad.summary

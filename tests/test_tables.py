@@ -19,7 +19,7 @@ from kvchaos.engine.tables import BuiltTable, OwnedTable
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/managers.py
 
-from managers import grow  # noqa: E402
+from managers import reserve  # noqa: E402
 
 
 class Lists:
@@ -147,7 +147,7 @@ def test_same_table_as_the_reference_spill_included(seed):
                 s = rng.choice(live) if live and rng.random() < 0.6 else f"s{i}"
                 built.place(s)
                 try:
-                    copies = grow(ref, s, rng.randint(1, 5))
+                    copies = reserve(ref, s, rng.randint(1, 5))
                 except OutOfBlocks:
                     if s not in ref.blocks:
                         built.drop(s)

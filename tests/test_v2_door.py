@@ -1,4 +1,4 @@
-"""A protocol v2 manager comes in by the user door as a v1 one does: checked before any run,
+"""A protocol v2 manager comes in by the user door: checked before any run,
 then run by `kvchaos run --block-manager module:Class` on a table the engine builds. Its reserved
 ids (vLLM's null block 0) are outside the usable pool: accounting and leaks count usable ids, and
 handing one out is a finding."""

@@ -37,7 +37,7 @@ def exercised(events: list[dict]) -> dict:
         "forks": forks,
         "fork_calls": calls.get("fork", 0),
         "copy_on_write_copies": counters.get("cow_copies", 0),
-        "frees": calls.get("free", 0) + calls.get("release", 0),  # v1 free, v2 release
+        "frees": calls.get("free", 0) + calls.get("release", 0),  # free: histories from v1
         "frees_of_shared_blocks": sum(1 for c in cancels if c.get("shared")),
         **{f"cancels_{p}": sum(1 for c in cancels if c.get("phase") == p) for p in PHASES[:4]},
         "preemption_releases": counters.get("preemptions", 0),

@@ -2,19 +2,16 @@
 
   kvchaos conformance --block-manager mypkg.bm:MyBlockManager
 
-Hypothesis drives the manager through random histories (start, grow, decode, fork, free,
-resize) on small pools, as the engine would, and judges each property after every call: a
-refused operation changes nothing; append succeeds whenever num_free_blocks covers
-blocks_needed (the manager may take more or fewer blocks); every sequence reads back, through
-the block table, what was written (so copy-on-write keeps every holder's data, and rows and
-resize keep every sequence's blocks); free is idempotent; each snapshot passes the checks a run
-makes of it against what the harness saw. A property that needs a capability the manager does
-not declare (fork, seq_tokens, append_decode) is reported "not applicable". A protocol v2
-manager (kvchaos_protocol = 2) is driven in v2 calls instead (kvchaos.harness.conformance.v2:
-admissions from shared templates so its cache hits, growth, decode batches,
-end_step, every release reason, failed steps, resize of an own table) and judged on
-PROPERTIES_V2 (with "own_table", its table rows after every call). A failure is shrunk to a
-short history of steps and printed. The same seed gives the same result. The same tests run
+Hypothesis drives the manager through random histories on small pools, as the engine would
+(kvchaos.harness.conformance.v2: admissions from shared templates so its cache hits, growth,
+decode batches, fork, end_step, every release reason, failed steps, resize of an own table), and
+judges each property of PROPERTIES_V2 after every call: a refused call changes nothing; every
+sequence reads, at each computed position (cache hits too), its own KV, so copy-on-write keeps
+every holder's data; release is idempotent, for any reason; each snapshot passes the checks a run
+makes of it against what the harness saw; with "own_table", its table rows after every call. A
+property that needs a capability the manager does not declare (prefix_cache, fork, seq_tokens,
+own_table, append_decode, ...) is reported "not applicable". A failure is shrunk to a short
+history of steps and printed. The same seed gives the same result. The same tests run
 under pytest: `pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a
 property.
 
@@ -34,15 +31,10 @@ from hypothesis import seed as use_seed
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvchaos.engine.protocols import protocol_version
-from kvchaos.harness.conformance.v1 import (
-    PROPERTIES,
-    ConformanceMachine,
-    Violation,
-    applicable,
-)
+from kvchaos.engine.protocols import capabilities
+from kvchaos.harness.conformance.common import Violation
 from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2
-from kvchaos.harness.run.user_code import load_object, validate_manager
+from kvchaos.harness.run.user_code import validate_manager
 
 EXIT_FAILED = 1
 EXAMPLES, STEPS, SHRINK_S = 200, 30, 10.0  # 200 histories of 30 steps: ~2 s on the reference
@@ -90,13 +82,11 @@ def _shrinking_for(seconds: float):
 def run_conformance(
     factory, examples: int = EXAMPLES, seed: int = 0, steps: int = STEPS, shrink_s=SHRINK_S
 ) -> list[PropertyResult]:
-    """Every property of its suite (PROPERTIES, or PROPERTIES_V2 for a protocol v2 manager) for
-    the manager `factory` builds: passed, failed (with the steps that show it, shrunk for at most
-    shrink_s seconds) or not applicable. Runs the machine again without each property that
-    failed, until the rest pass."""
-    manager = factory(16, 4, 4, 8)
-    caps = applicable(manager)
-    base, props = suite(manager)
+    """Every property of PROPERTIES_V2 for the manager `factory` builds: passed, failed (with
+    the steps that show it, shrunk for at most shrink_s seconds) or not applicable. Runs the
+    machine again without each property that failed, until the rest pass."""
+    caps = capabilities(factory(16, 4, 4, 8))
+    props = PROPERTIES_V2
     judged = {p for p, (need, _) in props.items() if need is None or need in caps}
     tally: Counter = Counter()
     failed: dict[str, tuple] = {}
@@ -112,7 +102,7 @@ def run_conformance(
     while True:
         machine = type(
             "BlockManagerConformance",
-            (base,),
+            (ConformanceMachineV2,),
             {"factory": factory, "enabled": frozenset(judged - set(failed)), "tally": tally},
         )
         said: list[str] = []  # Hypothesis's reports (the steps come as the error's notes)
@@ -140,13 +130,6 @@ def run_conformance(
             status = "passed" if tally[name] else "not exercised"
             out.append(PropertyResult(name, says, status, tally[name]))
     return out
-
-
-def suite(manager) -> tuple[type, dict]:
-    """The state machine and properties for a manager: protocol v2's, or v1's."""
-    if protocol_version(manager) >= 2:
-        return ConformanceMachineV2, PROPERTIES_V2
-    return ConformanceMachine, PROPERTIES
 
 
 def describe_failure(r: PropertyResult) -> list[str]:
@@ -275,7 +258,6 @@ class ConformanceItem(pytest.Item):
 
 
 def conformance_items(session, spec: str) -> list[ConformanceItem]:
-    _, props = suite(load_object(spec)(16, 4, 4, 8))
     return [
         ConformanceItem.from_parent(
             session,
@@ -284,5 +266,5 @@ def conformance_items(session, spec: str) -> list[ConformanceItem]:
             prop=name,
             spec=spec,
         )
-        for name in props
+        for name in PROPERTIES_V2
     ]

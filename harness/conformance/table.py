@@ -1,8 +1,8 @@
 """The table and decode-batch paths of conformance v2 (kvchaos.harness.conformance.v2): a
 manager declaring "own_table" writes the table the kernels read, so its rows are judged against
 its own block_ids after every call, and across resize_table; one declaring "append_decode" gets
-decode batches, judged all or nothing. What the v1 machine judges of the same paths, for a v2
-manager; the calls and the record are the v2 machine's (TableRules is its mixin)."""
+decode batches, judged all or nothing. The calls and the record are the v2 machine's (TableRules
+is its mixin)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis.stateful import precondition, rule
 
 from kvchaos.engine.boundary import describe
 from kvchaos.engine.errors import OutOfBlocks
-from kvchaos.harness.conformance.v1 import _guarded
+from kvchaos.harness.conformance.common import guarded
 
 # name -> (the capability it needs; what it says), as PROPERTIES_V2's
 TABLE_PROPERTIES = {
@@ -67,7 +67,7 @@ class TableRules:
 
     @precondition(lambda self: "own_table" in self.caps and self.resizes < 3)
     @rule(more_rows=st.integers(0, 2), more_width=st.integers(0, 3))
-    @_guarded()
+    @guarded()
     def resize(self, more_rows, more_width):
         before = {s: list(self.answer("block_ids", s)) for s in self.tokens}
         shown = self.resize_judged(more_rows, more_width)
@@ -81,7 +81,7 @@ class TableRules:
 
     @precondition(lambda self: "append_decode" in self.caps and self.tokens)
     @rule(first=st.integers(0, 11), size=st.integers(1, 4))  # first: modulo those decoding
-    @_guarded()
+    @guarded()
     def decode(self, first, size):
         """append_decode of `size` of the sequences decoding (their next token known, all else
         computed), from the `first`-th on, as the engine's step asks it."""

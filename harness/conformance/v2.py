@@ -33,8 +33,8 @@ from kvchaos.engine.protocols import REASONS, capabilities
 from kvchaos.engine.tables import BuiltTable, OwnedTable
 from kvchaos.harness.check.checkers import check_block_accounting, check_table_integrity
 from kvchaos.harness.check.snapshots import problem_seen
+from kvchaos.harness.conformance.common import Judging, guarded
 from kvchaos.harness.conformance.table import TABLE_PROPERTIES, TableRules
-from kvchaos.harness.conformance.v1 import Judging, _guarded
 
 # name -> (the capability it needs, or None for the core protocol; what it says)
 PROPERTIES_V2 = {
@@ -289,7 +289,7 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------------
     @initialize(num_blocks=st.integers(8, 24), block_size=st.sampled_from((1, 2, 4)))
-    @_guarded()
+    @guarded()
     def setup(self, num_blocks, block_size):
         self.num_blocks, self.bs = num_blocks, block_size
         args = (num_blocks, block_size, ROWS, num_blocks)
@@ -312,7 +312,7 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         own=st.lists(st.integers(0, VOCAB - 1), max_size=5),
         chunk=st.integers(1, 16),
     )
-    @_guarded(target=True)
+    @guarded(target=True)
     def admit(self, template, shared, own, chunk):
         tokens = TEMPLATES[template][:shared] + own or [template]
         if not self.fits(len(tokens) + 1):
@@ -354,14 +354,14 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         return copies, done + len(chunk)
 
     @rule(seq=seqs, n=st.integers(1, 9))
-    @_guarded()
+    @guarded()
     def grow(self, seq, n):
         grown = self.reserve(seq, n)
         if grown is not None:
             self.compute({seq: (self.done[seq], grown[1])}, grown[0])
 
     @rule(target=released, seq=consumes(seqs), n=st.integers(1, 9))
-    @_guarded(target=True)
+    @guarded(target=True)
     def failed_step(self, seq, n):
         """Slots reserved, then the step fails before it writes them: released with "error"."""
         self.reserve(seq, n)
@@ -369,7 +369,7 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         return seq
 
     @rule(target=released, seq=consumes(seqs), reason=st.sampled_from(REASONS))
-    @_guarded(target=True)
+    @guarded(target=True)
     def release(self, seq, reason):
         self.release_(seq, reason)
         return seq
@@ -390,12 +390,12 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         self.check_snapshot()
 
     @rule(seq=released, reason=st.sampled_from(REASONS))
-    @_guarded()
+    @guarded()
     def release_again(self, seq, reason):
         self.release_unknown(seq, reason)
 
     @rule()
-    @_guarded()
+    @guarded()
     def release_never_seen(self):
         self.release_unknown("never-seen", "aborted")
 
@@ -412,7 +412,7 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
 
     @precondition(lambda self: "fork" in self.caps and len(self.tokens) < ROWS)
     @rule(target=seqs, parent=seqs)
-    @_guarded(target=True)
+    @guarded(target=True)
     def fork(self, parent):
         child = f"s{next(self.ids)}"
         before = self.observed()

@@ -145,7 +145,7 @@ class LiveRun:
                     self.observe_s += time.perf_counter() - t
 
             e.seams.on_upload = on_upload
-        if self.observe and "prefix_cache" in e.offers:  # reads of KV other requests wrote
+        if self.observe and "prefix_cache" in e.capabilities:  # reads of KV other requests wrote
             self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size)
             self.cache_watch = CacheWatch(e.bm.block_size)
             e.seams.on_batch = self.kv.on_batch

@@ -197,7 +197,7 @@ def run_scenario(
         "device": device,
         "block_manager": block_manager_spec
         or (reference_spec(run.cfg.cache) if run else REFERENCE),
-        # what the manager itself speaks (1: through V1Shim); not in the history, so digests stay
+        # what the manager speaks (always 2 now; 1 in folders recorded under v1, before 0.2)
         "block_manager_protocol": run.engine.protocol if run else None,
         "tp_mode": run.cfg.tp_mode if run else tp.get("tp_mode"),
         "world_size": run.cfg.tp_size if run else tp.get("tp_size"),

@@ -6,9 +6,9 @@ refusal would then escape the engine as an unexpected exception. Loading refuses
 `kvchaos.*` import to use instead.
 
 `validate_manager` is the check before any run: the factory builds a manager on a tiny pool, the
-manager has the protocol's attributes, and a short smoke sequence (v1: append, fork, free,
-snapshot; v2: admit, block_ids, append, end_step, fork, release, snapshot) runs without an
-exception and answers in the protocol's types. Whether its answers are true is for the runs'
+manager declares protocol v2 and has its attributes, and a short smoke sequence (admit, block_ids,
+append, end_step, fork, release, snapshot) runs without an exception and answers in the
+protocol's types. Whether its answers are true is for the runs'
 checkers and `kvchaos conformance` to judge, not for the door.
 
 Shipped adapters have short names (ALIASES): `--block-manager vllm` is vLLM v1's KVCacheManager."""
@@ -130,19 +130,6 @@ def _line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _call(bm, name: str, *args):
-    """One call of the smoke sequence; a refusal (OutOfBlocks) is an answer: None."""
-    from kvchaos.engine.errors import OutOfBlocks  # here: the door imports no torch until used
-
-    shown = f"{name}({', '.join(map(repr, args))})"
-    try:
-        return getattr(bm, name)(*args)
-    except OutOfBlocks:
-        return None
-    except Exception as e:
-        raise _Refused(f"{shown} raised {type(e).__name__}: {_line(e)}") from None
-
-
 def _read(bm, name: str):
     try:
         value = getattr(bm, name)
@@ -167,42 +154,7 @@ def _snapshot(bm, fields=SNAPSHOT_FIELDS) -> None:
             raise _Refused(f"snapshot() field {field} is {got}, not {kind.__name__}")
 
 
-def _smoke(bm) -> None:
-    """A sequence's life on the tiny pool: every call answers, in the protocol's types."""
-    from kvchaos.engine.protocols import BlockManagerProtocol, capabilities, protocol_version
-
-    if protocol_version(bm) >= 2:
-        return _smoke_v2(bm)
-    members = [*BlockManagerProtocol.__annotations__, *vars(BlockManagerProtocol)]
-    missing = [n for n in members if not n.startswith("_") and not _has(bm, n)]
-    missing += [f"table.{n}" for n in TABLE_MEMBERS if _has(bm, "table") and not _has(bm.table, n)]
-    if missing:
-        raise _Refused(
-            f"{type(bm).__name__} is not a block manager: it lacks {', '.join(missing)} "
-            "(kvchaos.engine.protocols.BlockManagerProtocol)"
-        )
-    for name in ("num_blocks", "num_free_blocks", "num_free_rows", "block_size"):
-        _read(bm, name)
-    if not isinstance(_call(bm, "blocks_needed", "smoke-a", 3), int):
-        raise _Refused("blocks_needed('smoke-a', 3) did not return an int")
-    for seq, tokens in (("smoke-a", 3), ("smoke-a", 1)):
-        copies = _call(bm, "append", seq, tokens)
-        if copies is not None and not isinstance(copies, list):
-            raise _Refused(
-                f"append({seq!r}, {tokens}) returned {type(copies).__name__}, not a list of "
-                "(src, dst) copies"
-            )
-    _snapshot(bm)
-    if "fork" in capabilities(bm):
-        _call(bm, "fork", "smoke-a", "smoke-b")
-        _call(bm, "append", "smoke-b", 1)
-        _snapshot(bm)
-    for seq in ("smoke-a", "smoke-a", "smoke-b", "never-seen"):  # free is idempotent
-        _call(bm, "free", seq)
-    _snapshot(bm)
-
-
-V2_MEMBERS = (
+MEMBERS = (
     "block_size",
     "num_blocks",
     "num_free_blocks",
@@ -213,14 +165,15 @@ V2_MEMBERS = (
     "snapshot",
 )  # kvchaos.engine.protocols.KVManager
 OWN_TABLE_MEMBERS = ("table", "num_free_rows", "resize_table")
-V2_SNAPSHOT_FIELDS = {
+BUILT_TABLE_SNAPSHOT_FIELDS = {  # the table fields are the engine's
     k: SNAPSHOT_FIELDS[k] for k in ("num_blocks", "free", "ref_counts", "seq_blocks")
 }
-_REFUSED = object()  # a v2 call answered OutOfBlocks
+_REFUSED = object()  # a call answered OutOfBlocks
 
 
-def _v2(bm, name: str, *args):
-    """One v2 call; its answer held to what the engine's boundary accepts (engine.boundary)."""
+def _call(bm, name: str, *args):
+    """One call of the smoke sequence; its answer held to what the engine's boundary accepts
+    (engine.boundary). A refusal (OutOfBlocks) is an answer: _REFUSED."""
     from kvchaos.engine.boundary import BadAnswer, check_answer, describe
     from kvchaos.engine.errors import OutOfBlocks
 
@@ -238,13 +191,13 @@ def _v2(bm, name: str, *args):
     return out
 
 
-def _smoke_v2(bm) -> None:
-    """Protocol v2 (kvchaos_protocol = 2): admissions sharing a prefix, growth, the optional
+def _smoke(bm) -> None:
+    """A few sequences' lives on the tiny pool: admissions sharing a prefix, growth, the optional
     calls it declares, every release reason; the table only when the manager owns one."""
     from kvchaos.engine.protocols import capabilities
 
     caps = capabilities(bm)
-    wanted = V2_MEMBERS + (OWN_TABLE_MEMBERS if "own_table" in caps else ())
+    wanted = MEMBERS + (OWN_TABLE_MEMBERS if "own_table" in caps else ())
     missing = [n for n in wanted if not _has(bm, n)]
     if missing:
         raise _Refused(
@@ -259,30 +212,30 @@ def _smoke_v2(bm) -> None:
         isinstance(b, int) and not isinstance(b, bool) and 0 <= b < n for b in reserved
     ):
         raise _Refused(f"reserved_blocks is {reserved!r}, not a tuple of block ids in [0, {n})")
-    fields = SNAPSHOT_FIELDS if "own_table" in caps else V2_SNAPSHOT_FIELDS  # table: the engine's
+    fields = SNAPSHOT_FIELDS if "own_table" in caps else BUILT_TABLE_SNAPSHOT_FIELDS
     if "own_table" in caps:
         _read(bm, "num_free_rows")
         missing = [f"table.{m}" for m in TABLE_MEMBERS if not _has(bm.table, m)]
         if missing:
             raise _Refused(f"{type(bm).__name__} owns a table that lacks {', '.join(missing)}")
-    step = (lambda done: _v2(bm, "end_step", done)) if "end_step" in caps else (lambda _: None)
+    step = (lambda done: _call(bm, "end_step", done)) if "end_step" in caps else (lambda _: None)
     prompt = [1, 2, 3, 4, 5]
-    if _v2(bm, "admit", "smoke-a", prompt, 5, 4) is not _REFUSED:
-        _v2(bm, "block_ids", "smoke-a")
+    if _call(bm, "admit", "smoke-a", prompt, 5, 4) is not _REFUSED:
+        _call(bm, "block_ids", "smoke-a")
         step({"smoke-a": 5})
-        if _v2(bm, "append", "smoke-a", [6]) is not _REFUSED:
+        if _call(bm, "append", "smoke-a", [6]) is not _REFUSED:
             step({"smoke-a": 6})
     _snapshot(bm, fields)
-    if "fork" in caps and _v2(bm, "fork", "smoke-a", "smoke-b") is not _REFUSED:
-        _v2(bm, "append", "smoke-b", [7])
+    if "fork" in caps and _call(bm, "fork", "smoke-a", "smoke-b") is not _REFUSED:
+        _call(bm, "append", "smoke-b", [7])
         _snapshot(bm, fields)
-    if _v2(bm, "admit", "smoke-c", prompt + [8, 9], 7, 6) is not _REFUSED:  # a hit, with a cache
-        _v2(bm, "block_ids", "smoke-c")
+    if _call(bm, "admit", "smoke-c", prompt + [8, 9], 7, 6) is not _REFUSED:  # a hit, with a cache
+        _call(bm, "block_ids", "smoke-c")
         _snapshot(bm, fields)
     for seq, why in (("smoke-a", "finished"), ("smoke-a", "finished"), ("smoke-b", "aborted")):
-        _v2(bm, "release", seq, why)
+        _call(bm, "release", seq, why)
     for seq, why in (("smoke-c", "preempted"), ("never-seen", "error")):  # release is idempotent
-        _v2(bm, "release", seq, why)
+        _call(bm, "release", seq, why)
     _snapshot(bm, fields)
 
 
@@ -297,8 +250,8 @@ def _has(obj, name: str) -> bool:
 
 def validate_manager(spec: str):
     """The block manager factory 'module:attr' names, checked before any run: ValueError (one
-    line, bad input) when it cannot be loaded, called on a tiny pool, lacks the protocol's
-    attributes, or fails the smoke sequence. Returns the factory."""
+    line, bad input) when it cannot be loaded, called on a tiny pool, does not declare protocol
+    v2, lacks its attributes, or fails the smoke sequence. Returns the factory."""
     factory = load_object(spec)
     if not callable(factory):
         raise ValueError(
@@ -314,6 +267,10 @@ def validate_manager(spec: str):
         ) from None
     if bm is None:
         raise ValueError(f"{spec!r}({args}) returned None, not a block manager")
+    from kvchaos.engine.protocols import NOT_V2, protocol_version  # here: no torch until used
+
+    if protocol_version(bm) < 2:
+        raise ValueError(f"{spec!r}: {type(bm).__name__} {NOT_V2}")
     try:
         _smoke(bm)
     except _Refused as e:
