@@ -14,8 +14,6 @@ and, kept by BlockPool.incref/decref alone:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
-from typing import Iterator
 
 from kvchaos.engine.block_table import BlockTable
 from kvchaos.engine.errors import OutOfBlocks, TableOverflow
@@ -253,14 +251,6 @@ class BlockManager:
             self.pool.decref(b)
         self._free_rows.append(row)
         return True
-
-    @contextmanager
-    def hold(self, seq_id: str) -> Iterator[str]:
-        """Own seq_id's blocks for the duration of a with-block: released on every exit path."""
-        try:
-            yield seq_id
-        finally:
-            self.release(seq_id, "finished")
 
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows = self.table.rows

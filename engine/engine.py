@@ -200,7 +200,9 @@ class Engine(BatchBuilder):
                 f"{type(prompt).__name__}"
             ) from None
         self._validate(request_id, prompt, max_new_tokens)
-        seq = Sequence(request_id, prompt, len(prompt), max_new_tokens, self.step_count)
+        seq = Sequence(
+            id=request_id, tokens=prompt, prompt_len=len(prompt), max_new_tokens=max_new_tokens
+        )
         self.seqs[request_id] = seq
         self.waiting.append(seq)
 
@@ -215,7 +217,11 @@ class Engine(BatchBuilder):
         tokens = parent.tokens + list(extra_tokens)
         self._validate(child_id, tokens, max_new_tokens)
         child = Sequence(
-            child_id, tokens, len(tokens), max_new_tokens, self.step_count, parent=parent_id
+            id=child_id,
+            tokens=tokens,
+            prompt_len=len(tokens),
+            max_new_tokens=max_new_tokens,
+            parent=parent_id,
         )
         can_share = "fork" in self.capabilities and self.table.num_free_rows > 0
         if parent.state is State.RUNNING and can_share:

@@ -20,7 +20,6 @@ class Sequence:
     tokens: list[int]
     prompt_len: int
     max_new_tokens: int
-    arrival_step: int
     state: State = State.WAITING
     num_computed: int = 0  # tokens whose K/V are in the pool
     holds: bool = False  # admitted (or forked) and not yet released: the manager holds its blocks

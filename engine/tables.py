@@ -9,23 +9,9 @@ flat `BlockTable`, the same buffer, bound check and spill as the reference manag
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
 from kvchaos.engine.block_table import BlockTable
 from kvchaos.engine.errors import OutOfBlocks
-
-
-class TableComponent(Protocol):
-    table: BlockTable  # the flat rows x width buffer the kernels read and upload
-    owned: bool  # True: the manager writes it (own_table)
-    rows: Mapping[str, int]  # live seq -> row
-
-    @property
-    def num_free_rows(self) -> int: ...
-    def place(self, seq_id: str) -> None: ...
-    def sync(self, seq_id: str, full: bool = False, copied: bool = False) -> None: ...
-    def drop(self, seq_id: str) -> None: ...
-    def resize(self, rows: int | None = None, width: int | None = None) -> None: ...
 
 
 class OwnedTable:

@@ -91,15 +91,18 @@ class ReferenceMachine(ConformanceMachineV2):
     # -- the reference's own rules -------------------------------------------------------------
     @rule(target=RELEASED, seq=consumes(SEQS), n=st.integers(1, 6))
     def cancel(self, seq, n):
-        """A cancel mid-way: the sequence's owner grows it inside hold() and is interrupted."""
+        """A cancel mid-way: the sequence's owner grows it, is interrupted, and releases it on
+        the way out (as the engine's every exit path does)."""
         bm = self.bm
         with pytest.raises(Interrupted):
-            with bm.hold(seq):
+            try:
                 try:
                     bm.append(seq, range(n))
                 except (OutOfBlocks, TableOverflow):
                     pass
                 raise Interrupted
+            finally:
+                bm.release(seq, "aborted")
         assert seq not in bm.blocks and seq not in bm.rows
         for record in (self.tokens, self.prefixes, self.done):
             del record[seq]
@@ -172,21 +175,6 @@ TestBlockManagerStateful.settings = settings(
 
 
 # -- plain unit tests ------------------------------------------------------------------------
-def test_hold_releases_on_exception():
-    bm = BlockManager(8, 4, 2, 4)
-    with pytest.raises(RuntimeError, match="boom"):
-        with bm.hold("a") as sid:
-            assert sid == "a"
-            assert bm.admit("a", range(9), 9, 8) == 0
-            assert bm.num_free_blocks == 5
-            raise RuntimeError("boom")
-    assert bm.num_free_blocks == 8 and "a" not in bm.blocks and bm.num_free_rows == 2
-    assert bm.table.host.tolist() == [-1] * 8
-    with bm.hold("b"):  # and on a normal exit too
-        bm.admit("b", [1], 1, 0)
-    assert bm.num_free_blocks == 8 and bm.release("b", "finished") is False
-
-
 def test_admit_starts_a_sequence_and_append_grows_a_live_one_only():
     bm = BlockManager(8, 4, 2, 4)
     assert bm.admit("a", [5, 6, 7], 8, 2) == 0  # no cache; slots for the known tokens only

@@ -249,10 +249,17 @@ def test_a_read_two_planted_faults_explain_is_a_catch_for_each():
         },
         "<x>",
     )
-    read = Finding("kv_reads", 5, "b read block 3", {"req": "b", "block": 3}, None, "wrong_read")
+    read = Finding(
+        checker="kv_reads",
+        step=5,
+        message="b read block 3",
+        evidence={"req": "b", "block": 3},
+        manifest=None,
+        kind="wrong_read",
+    )
     base = {"fired": True, "first_step": 5, "touched": {"requests": [], "blocks": [3], "rows": []}}
     verify = {"table_overflow": {**base, "overlong": []}, "prefix_cache": {**base, **TRUTH}}
-    v = decide(sc, [CheckResult("kv_reads", False, [read])], verify, None)
+    v = decide(sc, [CheckResult(checker="kv_reads", valid=False, findings=[read])], verify, None)
     assert v.verdict == "PASS" and v.time_to_detect == {"table_overflow": 0, "prefix_cache": 0}
     assert [r["fault"] for r in v.credit_rows()] == ["table_overflow", "prefix_cache"]
 

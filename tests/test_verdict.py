@@ -40,10 +40,10 @@ def checks(*findings, unknown=(), not_judged=()):
     for name in CHECKERS:
         fs = [
             Finding(
-                f[0],
-                f[1],
-                f"{f[0]} saw something at step {f[1]}",
-                f[3] if len(f) > 3 else {"req": "r1"},
+                checker=f[0],
+                step=f[1],
+                message=f"{f[0]} saw something at step {f[1]}",
+                evidence=f[3] if len(f) > 3 else {"req": "r1"},
                 kind=f[2] if len(f) > 2 else "leak",
                 known_at=f[4] if len(f) > 4 else None,
             )
@@ -51,11 +51,15 @@ def checks(*findings, unknown=(), not_judged=()):
             if f[0] == name
         ]
         if name in unknown:
-            out.append(CheckResult(name, None, [], "Traceback ...\nKeyError: 'table'"))
+            out.append(
+                CheckResult(
+                    checker=name, valid=None, findings=[], error="Traceback ...\nKeyError: 'table'"
+                )
+            )
         elif name in not_judged:
-            out.append(CheckResult(name, None, [], None, 0))
+            out.append(CheckResult(checker=name, valid=None, findings=[], error=None, checked=0))
         else:
-            out.append(CheckResult(name, not fs, fs, None, 10))
+            out.append(CheckResult(checker=name, valid=not fs, findings=fs, error=None, checked=10))
     return out
 
 
@@ -95,8 +99,11 @@ def test_a_run_that_exercised_nothing_is_inconclusive():
 def test_a_checker_with_nothing_to_judge_is_not_judged_never_held():
     v = decide(scenario(), checks(not_judged=["cross_rank", "latency"]), {}, None, {"tokens": 5})
     assert v.verdict == PASS and "not judged: latency, cross_rank" in v.summary
-    assert CheckResult("cross_rank", None, [], None, 0).status == "not judged"
-    assert CheckResult("x", None, [], "Traceback").status == "unknown"
+    assert (
+        CheckResult(checker="cross_rank", valid=None, findings=[], error=None, checked=0).status
+        == "not judged"
+    )
+    assert CheckResult(checker="x", valid=None, findings=[], error="Traceback").status == "unknown"
 
 
 @pytest.mark.parametrize("step, ttd", [(10, 0), (11, 1), (12, 2)])

@@ -58,13 +58,13 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             if in_free + held != usable or len(set(free)) != len(free):
                 found.append(
                     Finding(
-                        "block_accounting",
-                        s,
-                        f"conservation broken: {in_free} free + {held} "
+                        checker="block_accounting",
+                        step=s,
+                        message=f"conservation broken: {in_free} free + {held} "
                         f"referenced != {usable} usable blocks",
-                        {"free": in_free, "referenced": held, "total": usable},
-                        False,
-                        "conservation",
+                        evidence={"free": in_free, "referenced": held, "total": usable},
+                        manifest=False,
+                        kind="conservation",
                     )
                 )
             if reserved:
@@ -78,13 +78,13 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                 orphans = [b for b in wrong if refs[b] == 0]
                 found.append(
                     Finding(
-                        "block_accounting",
-                        s,
-                        f"{len(wrong)} blocks whose ref count differs from the "
+                        checker="block_accounting",
+                        step=s,
+                        message=f"{len(wrong)} blocks whose ref count differs from the "
                         f"sequences holding them ({len(orphans)} orphaned)",
-                        {"blocks": wrong[:32], "orphans": orphans[:32]},
-                        False,
-                        "refcount",
+                        evidence={"blocks": wrong[:32], "orphans": orphans[:32]},
+                        manifest=False,
+                        kind="refcount",
                     )
                 )
             n1 = len(found)
@@ -96,12 +96,12 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             if busy:
                 found.append(
                     Finding(
-                        "block_accounting",
-                        s,
-                        f"free blocks with a non-zero ref count: {busy[:8]}",
-                        {"blocks": busy[:32]},
-                        False,
-                        "free_referenced",
+                        checker="block_accounting",
+                        step=s,
+                        message=f"free blocks with a non-zero ref count: {busy[:8]}",
+                        evidence={"blocks": busy[:32]},
+                        manifest=False,
+                        kind="free_referenced",
                     )
                 )
             last_pool, pool_clean = pool, n0 == n1 and n2 == len(found)
@@ -123,18 +123,19 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
         if missing > 0:
             found.append(
                 Finding(
-                    "block_accounting",
-                    s["step"],
-                    f"end of run ({end[-1]['reason']}): {missing} blocks never returned to the "
+                    checker="block_accounting",
+                    step=s["step"],
+                    message=f"end of run ({end[-1]['reason']}): {missing} blocks never returned "
+                    f"to the "
                     f"pool nor held by a live request",
-                    {
+                    evidence={
                         "free": len(free),
                         "total": s["num_blocks"] - len(reserved) - len(held),
                         "live": len(live),
                     },
-                    False,
-                    "end_leak",
-                    end[-1]["step"],
+                    manifest=False,
+                    kind="end_leak",
+                    known_at=end[-1]["step"],
                 )
             )
     return judged_result("block_accounting", found, snaps)
@@ -153,12 +154,12 @@ def _ended_holding(snap: dict, ended: dict, cancels: dict, seen: set, found: lis
             )
             found.append(
                 Finding(
-                    "block_accounting",
-                    snap["step"],
-                    f"request {req} {how} but still holds {len(blocks)} blocks: leaked",
-                    {"req": req, "blocks": blocks, "cancel": c},
-                    False,
-                    "leak",
+                    checker="block_accounting",
+                    step=snap["step"],
+                    message=f"request {req} {how} but still holds {len(blocks)} blocks: leaked",
+                    evidence={"req": req, "blocks": blocks, "cancel": c},
+                    manifest=False,
+                    kind="leak",
                 )
             )
 
@@ -177,12 +178,13 @@ def _reserved_handed_out(snap: dict, reserved: set[int], seen: set[int]) -> list
     how = f"held by request {held[b]}" if b in held else "free" if b in free else "referenced"
     return [
         Finding(
-            "block_accounting",
-            snap["step"],
-            f"reserved block {b} handed out: {how} (the manager reserves {sorted(reserved)[:8]})",
-            {"blocks": bad[:32], "req": held.get(b), "reserved": sorted(reserved)[:32]},
-            False,
-            "reserved_block",
+            checker="block_accounting",
+            step=snap["step"],
+            message=f"reserved block {b} handed out: {how} (the manager reserves "
+            f"{sorted(reserved)[:8]})",
+            evidence={"blocks": bad[:32], "req": held.get(b), "reserved": sorted(reserved)[:32]},
+            manifest=False,
+            kind="reserved_block",
         )
     ]
 
@@ -202,14 +204,20 @@ def _shared_writes(snap: dict, before: dict[str, int], bs: int, cache: dict) -> 
             if i < len(blocks) and ref[blocks[i]] > 1 and blocks[i] not in keyed:
                 out.append(
                     Finding(
-                        "block_accounting",
-                        snap["step"],
-                        f"request {req} writes tokens {was}..{now - 1} into block {blocks[i]}, "
+                        checker="block_accounting",
+                        step=snap["step"],
+                        message=f"request {req} writes tokens {was}..{now - 1} into block "
+                        f"{blocks[i]}, "
                         f"which {ref[blocks[i]] - 1} other sequence(s) still share: a missed "
                         "copy-on-write",
-                        {"req": req, "block": blocks[i], "index": i, "refs": ref[blocks[i]]},
-                        False,
-                        "shared_write",
+                        evidence={
+                            "req": req,
+                            "block": blocks[i],
+                            "index": i,
+                            "refs": ref[blocks[i]],
+                        },
+                        manifest=False,
+                        kind="shared_write",
                     )
                 )
     return out

@@ -79,7 +79,16 @@ def check_kv_reads(events: list[dict]) -> CheckResult:
             evidence = {f: e.get(f) for f in EVIDENCE}
             if hit is not None:
                 evidence["hit_step"], evidence["hit_blocks"] = hit[0], hit[1].get("blocks")
-            found.append(Finding("kv_reads", e["step"], _message(e, k, hit), evidence, None, k))
+            found.append(
+                Finding(
+                    checker="kv_reads",
+                    step=e["step"],
+                    message=_message(e, k, hit),
+                    evidence=evidence,
+                    manifest=None,
+                    kind=k,
+                )
+            )
     return judged_result("kv_reads", found, steps)
 
 
@@ -118,12 +127,30 @@ def check_prefix_cache(events: list[dict]) -> CheckResult:
                 for k in ("block", "key", "problem", "writers", "written", "parent_block")
                 if k in e
             }
-            found.append(Finding("prefix_cache", e["step"], msg, evidence, None, "cache_content"))
+            found.append(
+                Finding(
+                    checker="prefix_cache",
+                    step=e["step"],
+                    message=msg,
+                    evidence=evidence,
+                    manifest=None,
+                    kind="cache_content",
+                )
+            )
         elif kind == "hit_mismatch":
             msg = (
                 f"request {e['req']}'s cache hit served block {e['block']} as its block "
                 f"{e['index']}, which {HIT_PROBLEMS[e['problem']]}"
             )
             evidence = {k: e.get(k) for k in ("req", "block", "index", "problem")}
-            found.append(Finding("prefix_cache", e["step"], msg, evidence, None, "hit_blocks"))
+            found.append(
+                Finding(
+                    checker="prefix_cache",
+                    step=e["step"],
+                    message=msg,
+                    evidence=evidence,
+                    manifest=None,
+                    kind="hit_blocks",
+                )
+            )
     return judged_result("prefix_cache", found, judged)

@@ -26,39 +26,43 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
         if not ref["agrees"]:
             found.append(
                 Finding(
-                    "oracle_divergence",
-                    ref["step"],
-                    f"the model code the engine and the oracle share disagrees with an "
+                    checker="oracle_divergence",
+                    step=ref["step"],
+                    message=f"the model code the engine and the oracle share disagrees with an "
                     f"independent float64 reference on request {ref['req']} from token "
                     f"{ref['first_disagreement']} (max abs error {ref['max_abs_err']:.3g})",
-                    {k: ref[k] for k in ("req", "first_disagreement", "max_abs_err", "checked")},
-                    True,
-                    "shared_code",
+                    evidence={
+                        k: ref[k] for k in ("req", "first_disagreement", "max_abs_err", "checked")
+                    },
+                    manifest=True,
+                    kind="shared_code",
                 )
             )
     for o in results:
         if o.get("prompt_mismatch_at") is not None:
             found.append(
                 Finding(
-                    "oracle_divergence",
-                    o["step"],
-                    f"request {o['req']}: the engine stored a prompt that differs from the one "
+                    checker="oracle_divergence",
+                    step=o["step"],
+                    message=f"request {o['req']}: the engine stored a prompt that differs from "
+                    f"the one "
                     f"submitted, from token {o['prompt_mismatch_at']}",
-                    {"req": o["req"], "prompt_mismatch_at": o["prompt_mismatch_at"]},
-                    True,
-                    "prompt",
+                    evidence={"req": o["req"], "prompt_mismatch_at": o["prompt_mismatch_at"]},
+                    manifest=True,
+                    kind="prompt",
                 )
             )
         if o["first_divergence"] is not None:
             found.append(
                 Finding(
-                    "oracle_divergence",
-                    o["divergence_step"],
-                    f"request {o['req']}: logits diverge from the contiguous oracle at generated "
+                    checker="oracle_divergence",
+                    step=o["divergence_step"],
+                    message=f"request {o['req']}: logits diverge from the contiguous oracle at "
+                    f"generated "
                     f"token {o['first_divergence']} "
                     f"(max abs error {o['abs_err_at_divergence']:.3g} "
                     f"> tolerance {o['tolerance']:.3g})",
-                    {
+                    evidence={
                         k: o[k]
                         for k in (
                             "req",
@@ -69,9 +73,9 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
                             "checked",
                         )
                     },
-                    True,
-                    "divergence",
-                    o["step"],  # known when the request was checked, not when it diverged
+                    manifest=True,
+                    kind="divergence",
+                    known_at=o["step"],  # known when the request was checked, not when it diverged
                 )
             )
     return judged_result("oracle_divergence", found, len(results))
@@ -95,12 +99,12 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                 reported.add(("shared_row", row, owner[row], req))
                 found.append(
                     Finding(
-                        "table_integrity",
-                        s,
-                        f"requests {owner[row]} and {req} are both mapped to row {row}",
-                        {"row": row, "owner": owner[row], "req": req},
-                        False,
-                        "shared_row",
+                        checker="table_integrity",
+                        step=s,
+                        message=f"requests {owner[row]} and {req} are both mapped to row {row}",
+                        evidence={"row": row, "owner": owner[row], "req": req},
+                        manifest=False,
+                        kind="shared_row",
                     )
                 )
             owner[row] = req
@@ -112,13 +116,13 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                 reported.add(("overlong", req))
                 found.append(
                     Finding(
-                        "table_integrity",
-                        s,
-                        f"request {req} holds {len(blocks)} blocks but its row "
+                        checker="table_integrity",
+                        step=s,
+                        message=f"request {req} holds {len(blocks)} blocks but its row "
                         f"is {w} wide: entries past the row spill into row {row + 1}",
-                        {"req": req, "row": row, "blocks": len(blocks), "width": w},
-                        False,
-                        "overlong",
+                        evidence={"req": req, "row": row, "blocks": len(blocks), "width": w},
+                        manifest=False,
+                        kind="overlong",
                     )
                 )
             want = (blocks + [-1] * w)[:w]
@@ -132,11 +136,11 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                 who = f"request {req}" if req is not None else "no sequence"
                 found.append(
                     Finding(
-                        "table_integrity",
-                        s,
-                        f"row {row} ({who}) holds blocks it does not own "
+                        checker="table_integrity",
+                        step=s,
+                        message=f"row {row} ({who}) holds blocks it does not own "
                         f"{intruders[:8]} at entries {bad[:8]}",
-                        {
+                        evidence={
                             "row": row,
                             "owner": req,
                             "entries": bad,
@@ -144,8 +148,8 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                             "row_expected": want,
                             "intruders": intruders,
                         },
-                        False,
-                        "foreign_block",
+                        manifest=False,
+                        kind="foreign_block",
                     )
                 )
     return judged_result("table_integrity", found + _foreign_writes(events), snaps)
@@ -156,18 +160,19 @@ def _foreign_writes(events: list[dict]) -> list[Finding]:
     sequence (or lists as free): the table the kernel read disagrees with the manager's word."""
     return [
         Finding(
-            "table_integrity",
-            e["step"],
-            f"request {e['req']} wrote its KV into blocks {e['blocks'][:8]} it does not hold"
+            checker="table_integrity",
+            step=e["step"],
+            message=f"request {e['req']} wrote its KV into blocks {e['blocks'][:8]} it does not "
+            f"hold"
             + (f" (rank {', '.join(map(str, e['ranks']))})" if e.get("ranks", [0]) != [0] else ""),
-            {
+            evidence={
                 "req": e["req"],
                 "blocks": e["blocks"],
                 "owned": e["owned"][:32],
                 "ranks": e.get("ranks", [0]),
             },
-            False,
-            "foreign_write",
+            manifest=False,
+            kind="foreign_write",
         )
         for e in of_kind(events, "foreign_write")
     ]
@@ -185,18 +190,18 @@ def check_cross_rank(events: list[dict]) -> CheckResult:
         if bad:
             found.append(
                 Finding(
-                    "cross_rank",
-                    e["step"],
-                    f"ranks {bad} computed step {e['step']} on a block table "
+                    checker="cross_rank",
+                    step=e["step"],
+                    message=f"ranks {bad} computed step {e['step']} on a block table "
                     f"that differs from the scheduler's (version {e['table_version']})",
-                    {
+                    evidence={
                         "ranks": bad,
                         "rank_crcs": crcs,
                         "table_crc": e["table_crc"],
                         "stale_ranks": e.get("stale_ranks", []),
                     },
-                    None,
-                    "stale_table",
+                    manifest=None,
+                    kind="stale_table",
                 )
             )
     return judged_result("cross_rank", found, n)
@@ -253,13 +258,13 @@ def check_liveness(
                     waiting[r] = s
                     found.append(
                         Finding(
-                            "liveness",
-                            e["step"],
-                            f"request {r} submitted at step {s} has produced "
+                            checker="liveness",
+                            step=e["step"],
+                            message=f"request {r} submitted at step {s} has produced "
                             f"nothing in {bound_steps} steps: starved",
-                            {"req": r, "submitted": s, **need(r)},
-                            None,
-                            "starvation",
+                            evidence={"req": r, "submitted": s, **need(r)},
+                            manifest=None,
+                            kind="starvation",
                         )
                     )
     end = of_kind(events, "run_end")
@@ -270,13 +275,13 @@ def check_liveness(
         if stuck:
             found.append(
                 Finding(
-                    "liveness",
-                    last_step,
-                    f"{len(stuck)} requests never finished by the end of the run "
+                    checker="liveness",
+                    step=last_step,
+                    message=f"{len(stuck)} requests never finished by the end of the run "
                     f"({end[-1]['reason']}): {stuck[:8]}",
-                    {"requests": stuck, **need(stuck[-1])},
-                    None,
-                    "unfinished",
+                    evidence={"requests": stuck, **need(stuck[-1])},
+                    manifest=None,
+                    kind="unfinished",
                 )
             )
     return judged_result("liveness", found, len(submitted))
@@ -307,5 +312,7 @@ def run_checkers(events: list[dict], options: dict | None = None, disabled=()) -
         try:
             out.append(fn(events, **options.get(name, {})))
         except Exception:
-            out.append(CheckResult(name, None, [], traceback.format_exc()))
+            out.append(
+                CheckResult(checker=name, valid=None, findings=[], error=traceback.format_exc())
+            )
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)  # records are built by keyword
 class Finding:
     checker: str
     step: int
@@ -23,7 +23,7 @@ class Finding:
         return self.step if self.known_at is None else self.known_at
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckResult:
     checker: str
     # True held, False findings, None: could not decide (error set) or had nothing to judge
@@ -46,7 +46,13 @@ class CheckResult:
 def judged_result(name: str, findings: list[Finding], checked: int) -> CheckResult:
     """A checker that looked at nothing never held: it was not judged."""
     findings.sort(key=lambda f: f.step)
-    return CheckResult(name, not findings if checked or findings else None, findings, None, checked)
+    return CheckResult(
+        checker=name,
+        valid=not findings if checked or findings else None,
+        findings=findings,
+        error=None,
+        checked=checked,
+    )
 
 
 def of_kind(events: list[dict], kind: str) -> list[dict]:

@@ -45,7 +45,9 @@ def check_latency(
         if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
     ]
     if len(steps) < baseline_steps + sustain:
-        return CheckResult("latency", None, [], None, len(steps))  # too short to judge a trend
+        return CheckResult(
+            checker="latency", valid=None, findings=[], error=None, checked=len(steps)
+        )  # too short to judge a trend
     lat = [e[signal] for e in steps]
     base = _quiet(lat[:baseline_steps])
     low = _rolling_min(lat, window)
@@ -58,7 +60,7 @@ def check_latency(
                 steps, signal, i, (base, limit, slo_ratio), (window, sustain, baseline_steps)
             )
             return judged_result("latency", [found], len(steps))
-    return CheckResult("latency", True, [], None, len(steps))
+    return CheckResult(checker="latency", valid=True, findings=[], error=None, checked=len(steps))
 
 
 def _climb(steps: list[dict], signal: str, i: int, limits: tuple, spans: tuple) -> Finding:
@@ -93,13 +95,14 @@ def _climb(steps: list[dict], signal: str, i: int, limits: tuple, spans: tuple) 
         ev["upload_min_ms"] = min(upload[j] for j in span) * 1e3
         where = f"; its table upload {ev['upload_baseline_ms']:.2f} -> {ev['upload_min_ms']:.2f} ms"
     return Finding(
-        "latency",
-        steps[i]["step"],
-        f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to {low * 1e3:.2f} ms "
+        checker="latency",
+        step=steps[i]["step"],
+        message=f"per-step {signal} climbed from a {base * 1e3:.2f} ms baseline to "
+        f"{low * 1e3:.2f} ms "
         f"even in the fastest of the last {window} steps (x{low / base:.1f}, limit "
         f"{limit * 1e3:.2f} ms), plateau {plateau * 1e3:.2f} ms, sustained from step "
         f"{steps[start]['step']}{where}",
-        ev,
-        None,
-        "latency_climb",
+        evidence=ev,
+        manifest=None,
+        kind="latency_climb",
     )

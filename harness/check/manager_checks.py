@@ -15,24 +15,25 @@ def check_manager_calls(events: list[dict]) -> CheckResult:
         [_call_failure(e) for e in of_kind(events, "sut_error")]
         + [
             Finding(
-                "manager_calls",
-                e["step"],
-                f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
-                {"problem": e["problem"]},
-                None,
-                "bad_snapshot",
+                checker="manager_calls",
+                step=e["step"],
+                message=f"snapshot() at step {e['step']} cannot be trusted: {e['problem']}",
+                evidence={"problem": e["problem"]},
+                manifest=None,
+                kind="bad_snapshot",
             )
             for e in of_kind(events, "snapshot_invalid")
         ]
         + [
             Finding(
-                "manager_calls",
-                e["step"],
-                f"{e['data']['call']}({e['data']['seq']!r}, {e['data']['tokens']}) refused, yet "
+                checker="manager_calls",
+                step=e["step"],
+                message=f"{e['data']['call']}({e['data']['seq']!r}, {e['data']['tokens']}) "
+                f"refused, yet "
                 f"changed the manager: {e['data']['changed']}",
-                {k: e["data"][k] for k in ("call", "seq", "tokens", "changed")},
-                None,
-                "refusal_changed_state",
+                evidence={k: e["data"][k] for k in ("call", "seq", "tokens", "changed")},
+                manifest=None,
+                kind="refusal_changed_state",
             )
             for e in of_kind(events, "engine")
             if e.get("kind") == "refusal" and e["data"].get("changed")
@@ -48,10 +49,22 @@ def _call_failure(e: dict) -> Finding:
     evidence = {k: e.get(k) for k in ("call", "args", "error", "message", "traceback")}
     if e.get("how"):  # "append('r3', 16) did not return within 5 s"
         return Finding(
-            "manager_calls", e["step"], f"{e['call']} {e['message']}", evidence, None, e["how"]
+            checker="manager_calls",
+            step=e["step"],
+            message=f"{e['call']} {e['message']}",
+            evidence=evidence,
+            manifest=None,
+            kind=e["how"],
         )
     message = f"{e['call']} raised {e['error']}: {e['message']}"
-    return Finding("manager_calls", e["step"], message, evidence, None, "exception")
+    return Finding(
+        checker="manager_calls",
+        step=e["step"],
+        message=message,
+        evidence=evidence,
+        manifest=None,
+        kind="exception",
+    )
 
 
 def check_admission(events: list[dict]) -> CheckResult:
@@ -79,13 +92,14 @@ def check_admission(events: list[dict]) -> CheckResult:
         if not too_long:
             found.append(
                 Finding(
-                    "admission",
-                    e["step"],
-                    f"request {e['req']} ({total} tokens, {blocks} blocks of a {width}-block "
+                    checker="admission",
+                    step=e["step"],
+                    message=f"request {e['req']} ({total} tokens, {blocks} blocks of a "
+                    f"{width}-block "
                     f"row) was refused as too long, yet it fits: {e.get('message', '')}",
-                    {"req": e["req"], "tokens": total, "blocks": blocks, "width": width},
-                    None,
-                    "wrong_refusal",
+                    evidence={"req": e["req"], "tokens": total, "blocks": blocks, "width": width},
+                    manifest=None,
+                    kind="wrong_refusal",
                 )
             )
     return judged_result("admission", found, judged)

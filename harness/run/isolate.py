@@ -477,7 +477,13 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
         write_results(run_dir, results)
     findings = [Finding(**f) for c in results.get("checkers", []) for f in c["findings"]]
     return RunResult(
-        sc.name, job.seed, results["verdict"], run_dir, results["summary"], findings, results
+        scenario=sc.name,
+        seed=job.seed,
+        verdict=results["verdict"],
+        run_dir=run_dir,
+        summary=results["summary"],
+        findings=findings,
+        results=results,
     )
 
 

@@ -54,7 +54,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunResult:
     scenario: str
     seed: int
@@ -222,7 +222,16 @@ def run_scenario(
     ):  # the judge's record; the caller renders reports (kvchaos.harness.report.render.publish)
         write_results(run_dir, results)
     findings = [f for c in checks for f in c.findings]
-    return RunResult(sc.name, seed, v.verdict, run_dir, v.summary, findings, results, events)
+    return RunResult(
+        scenario=sc.name,
+        seed=seed,
+        verdict=v.verdict,
+        run_dir=run_dir,
+        summary=v.summary,
+        findings=findings,
+        results=results,
+        events=events,
+    )
 
 
 def _failure(history: History, ex: BaseException, step: int) -> dict | None:
