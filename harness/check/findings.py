@@ -4,6 +4,7 @@ fired (findings), or unknown (the checker raised); and "not judged" when it had 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(kw_only=True)  # records are built by keyword
@@ -33,7 +34,7 @@ class CheckResult:
     checked: int = 0  # how many things it looked at (steps, snapshots, requests)
 
     @property
-    def status(self) -> str:
+    def status(self) -> Literal["held", "fired", "unknown", "not judged"]:
         if self.valid is None:
             return "unknown" if self.error else "not judged"
         return "held" if self.valid else "fired"

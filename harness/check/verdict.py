@@ -16,7 +16,9 @@ The rules (the architecture doc's table):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
+VerdictName = Literal["PASS", "MISSED", "FAIL", "INCONCLUSIVE", "ERROR"]
 PASS, MISSED, FAIL, INCONCLUSIVE, ERROR = "PASS", "MISSED", "FAIL", "INCONCLUSIVE", "ERROR"
 # Verdict names recorded by older releases: FALSE_ALARM read as "the harness was wrong", yet it is
 # what a real bug in the system under test gets.
@@ -35,7 +37,7 @@ MEANING = {
 
 @dataclass
 class Verdict:
-    verdict: str
+    verdict: VerdictName
     summary: str
     time_to_detect: dict  # fault name -> steps from its first firing to when a catch was known
     # per finding: (checker, step, fault, how); one row for each fault it is a cause of

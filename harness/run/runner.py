@@ -16,6 +16,7 @@ from pathlib import Path
 from kvchaos.engine.boundary import ManagerError, describe
 from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.metrics import run_metrics
+from kvchaos.harness.check.verdict import VerdictName
 from kvchaos.harness.history.log import History
 from kvchaos.harness.history.results import write_results
 from kvchaos.harness.run.device import resolve_device
@@ -58,7 +59,7 @@ def git_commit() -> str:
 class RunResult:
     scenario: str
     seed: int
-    verdict: str
+    verdict: VerdictName
     run_dir: Path | None
     summary: str
     findings: list = field(default_factory=list)
