@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections import deque
 
 import torch
 
@@ -25,7 +24,7 @@ from kvchaos.engine.model import Model
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.protocols import NOT_V2, KVManager, capabilities, protocol_version
 from kvchaos.engine.ranks import RankGroup
-from kvchaos.engine.scheduler import reserve, schedule
+from kvchaos.engine.scheduler import Scheduler
 from kvchaos.engine.seams import Seams
 from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
 from kvchaos.engine.staging import StagingBuffer
@@ -113,8 +112,7 @@ class Engine(BatchBuilder):
         self._pinned = self.device.type == "cuda"
         self.staging = StagingBuffer(self.table.table.host_tensor.numel(), self._pinned)
         self.seqs: dict[str, Sequence] = {}
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(self)  # the waiting and running queues
         self.step_count = 0
         self.table_version = 0
         self.counters = {
@@ -204,7 +202,7 @@ class Engine(BatchBuilder):
             id=request_id, tokens=prompt, prompt_len=len(prompt), max_new_tokens=max_new_tokens
         )
         self.seqs[request_id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def fork(
         self, parent_id: str, child_id: str, max_new_tokens: int, extra_tokens: list[int] = ()
@@ -231,12 +229,12 @@ class Engine(BatchBuilder):
                 self.table.sync(child_id)
                 child.state, child.num_computed = State.RUNNING, parent.num_computed
                 child.holds = True
-                self.running.append(child)
+                self.scheduler.start(child)
             except OutOfBlocks as no:  # no room to share: the child computes its tokens itself
                 self.table.drop(child_id)
                 self.refused("fork", child_id, 0, no)
         if child.state is State.WAITING:
-            self.waiting.append(child)
+            self.scheduler.add(child)
         self.seqs[child_id] = child
 
     def cancel(self, request_id: str) -> bool:
@@ -247,11 +245,9 @@ class Engine(BatchBuilder):
             raise InvalidRequest(f"cancel: unknown request id {request_id!r}")
         if seq.done:
             return False
+        self.scheduler.remove(seq)
         if seq.state is State.RUNNING:
-            self.running.remove(seq)
             self._release(seq, "cancel")
-        else:
-            self.waiting.remove(seq)
         seq.state = State.CANCELLED
         return True
 
@@ -308,12 +304,10 @@ class Engine(BatchBuilder):
             snap.reserved = list(self.reserved)
         return snap
 
-    # -- scheduling ----------------------------------------------------------------------
-    def _preempt(self, seq: Sequence, why: str = "preempt") -> None:
-        self.running.remove(seq)
+    def preempted(self, seq: Sequence, why: str) -> None:
+        """The scheduler preempted seq (why: "preempt", or "error" for a failed step): its blocks
+        go back, and it is counted."""
         self._release(seq, why)
-        seq.state, seq.num_computed = State.PREEMPTED, 0
-        self.waiting.appendleft(seq)
         self.counters["preemptions"] += 1
 
     # -- one step ------------------------------------------------------------------------
@@ -321,19 +315,14 @@ class Engine(BatchBuilder):
     def step(self) -> StepOutput:
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_count += 1
-        decode, prefill, preempted = schedule(self)
-        while not decode and not prefill and len(self.running) > 1:
-            # Every running sequence is stuck mid-prefill on a full pool: free the newest.
-            victim = self.running[-1]
-            self._preempt(victim)
-            d, prefill, p = schedule(self)
-            decode, preempted = d, preempted + [victim.id] + p
+        scheduler = self.scheduler
+        decode, prefill, preempted = scheduler.schedule()
         if not decode and not prefill:
             stats = self._stats(t0, c0, t0, t0, decode, prefill, preempted, [], computed=False)
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
-            decode, prefill, copies = reserve(self, decode, prefill, preempted)
+            decode, prefill, copies = scheduler.reserve(decode, prefill, preempted)
             if not decode and not prefill:  # every reservation refused: nothing runs this step
                 stats = self._stats(t0, c0, t0, t0, [], [], preempted, [], computed=False)
                 return StepOutput(stats, {}, {}, [])
@@ -362,8 +351,8 @@ class Engine(BatchBuilder):
             # Leave nothing half-done: the step's sequences give their blocks back ("error": the
             # step that reserved their last slots did not run) and recompute.
             for s in scheduled:
-                if s.state is State.RUNNING and s in self.running:
-                    self._preempt(s, "error")
+                if s.state is State.RUNNING and s in scheduler.running:
+                    scheduler.preempt(s, "error")
             raise
         for s in decode:
             s.num_computed += 1
@@ -379,8 +368,8 @@ class Engine(BatchBuilder):
                 s.tokens.append(tok)
                 out_tokens[s.id], out_logits[s.id] = tok, row
                 if s.num_generated >= s.max_new_tokens:
+                    scheduler.remove(s)
                     s.state = State.FINISHED
-                    self.running.remove(s)
                     self._release(s, "finish")
                     finished.append(s.id)
         stats = self._stats(t0, c0, t_prep, t_host, decode, prefill, preempted, stale)
@@ -401,8 +390,8 @@ class Engine(BatchBuilder):
             prep_s=t_host - t_prep,
             upload_s=self._upload_s if computed else 0.0,
             free_blocks=self.bm.num_free_blocks,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
             prefill_tokens=sum(n for _, n in prefill),
             decode_tokens=len(decode),
             preempted=preempted,
@@ -454,12 +443,12 @@ class Engine(BatchBuilder):
 
     # -- lifecycle -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def close(self) -> None:
         """Release every block still held (idempotent)."""
-        for s in list(self.running):
-            self.running.remove(s)
+        for s in list(self.scheduler.running):
+            self.scheduler.remove(s)
             self.bm.release(s.id, "aborted")
             s.holds = False
             self.table.drop(s.id)

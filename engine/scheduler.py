@@ -1,123 +1,173 @@
-"""Scheduling a step: planned on the block manager's estimates, then reserved against its
-actual answers (protocol v2: admit a waiting sequence, append to a running one).
+"""Scheduling a step: the waiting and running queues, and each step planned on the block
+manager's estimates, then reserved against its actual answers (admit a waiting sequence, append to
+a running one). As nano-vllm's scheduler, it owns its queues and calls only public methods: the
+manager's (through engine.bm, the boundary) and the engine's (estimate, refused, admitted,
+preempted, table).
 
 The schedule is planned on `blocks_needed`, the manager's estimate, not a promise (without one, on
-the blocks the new positions add: Engine.estimate): any admit or append may
-be refused (OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve
-blocks). The engine then does what a serving scheduler does: a decode sequence that cannot grow
-preempts the newest running request (itself, if it is the newest); a request whose first chunk is
-refused goes back to wait, in order; a later prefill chunk that is refused waits a step."""
+the blocks the new positions add: Engine.estimate): any admit or append may be refused
+(OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve blocks). The
+scheduler then does what a serving scheduler does: a decode sequence that cannot grow preempts the
+newest running request (itself, if it is the newest); a request whose first chunk is refused goes
+back to wait, in order; a later prefill chunk that is refused waits a step."""
 
 from __future__ import annotations
+
+from collections import deque
 
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.sequence import Sequence, State
 
 
-def schedule(engine) -> tuple[list, list, list[str]]:
-    """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
-    bm, budget, estimate = engine.bm, engine.config.max_prefill_tokens, engine.estimate
-    preempted: list[str] = []
-    decode = [s for s in engine.running if s.uncomputed == 1]
-    # Make room for one token per decoding sequence, preempting the newest first.
-    need = sum(estimate(s, 1) for s in decode)
-    while decode and need > bm.num_free_blocks:
-        victim = engine.running[-1]
-        engine._preempt(victim)
-        preempted.append(victim.id)
-        if victim in decode:
-            decode.remove(victim)
+class Scheduler:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- the queues ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """A new request, last in line."""
+        self.waiting.append(seq)
+
+    def start(self, seq: Sequence) -> None:
+        """A sequence running at once (a fork's child sharing its parent's blocks)."""
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Out of its queue (finished or cancelled)."""
+        if seq.state is State.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+
+    def preempt(self, seq: Sequence, why: str = "preempt") -> None:
+        """Back to wait, first in line, recomputing from scratch; the engine takes its blocks
+        back (why: "preempt", or "error" for a failed step)."""
+        self.running.remove(seq)
+        self.engine.preempted(seq, why)
+        seq.state, seq.num_computed = State.PREEMPTED, 0
+        self.waiting.appendleft(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- a step --------------------------------------------------------------------------------
+    def schedule(self) -> tuple[list, list, list[str]]:
+        """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
+        decode, prefill, preempted = self._plan()
+        while not decode and not prefill and len(self.running) > 1:
+            # Every running sequence is stuck mid-prefill on a full pool: free the newest.
+            victim = self.running[-1]
+            self.preempt(victim)
+            decode, prefill, more = self._plan()
+            preempted = preempted + [victim.id] + more
+        return decode, prefill, preempted
+
+    def _plan(self) -> tuple[list, list, list[str]]:
+        engine = self.engine
+        bm, budget, estimate = engine.bm, engine.config.max_prefill_tokens, engine.estimate
+        preempted: list[str] = []
+        decode = [s for s in self.running if s.uncomputed == 1]
+        # Make room for one token per decoding sequence, preempting the newest first.
         need = sum(estimate(s, 1) for s in decode)
-    free = bm.num_free_blocks - need
-    prefill: list[tuple[Sequence, int]] = []
-    for s in engine.running:
-        if s.uncomputed > 1 and budget > 0:
+        while decode and need > bm.num_free_blocks:
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim.id)
+            if victim in decode:
+                decode.remove(victim)
+            need = sum(estimate(s, 1) for s in decode)
+        free = bm.num_free_blocks - need
+        prefill: list[tuple[Sequence, int]] = []
+        for s in self.running:
+            if s.uncomputed > 1 and budget > 0:
+                n = min(s.uncomputed, budget)
+                need = estimate(s, n)
+                if need <= free:
+                    prefill.append((s, n))
+                    budget -= n
+                    free -= need
+        rows = engine.table.num_free_rows
+        while self.waiting and budget > 0 and rows > 0:
+            s = self.waiting[0]
             n = min(s.uncomputed, budget)
             need = estimate(s, n)
-            if need <= free:
-                prefill.append((s, n))
-                budget -= n
-                free -= need
-    rows = engine.table.num_free_rows
-    while engine.waiting and budget > 0 and rows > 0:
-        s = engine.waiting[0]
-        n = min(s.uncomputed, budget)
-        need = estimate(s, n)
-        if need > free - engine.watermark_blocks:
-            break  # FCFS: the head waits for room, nobody overtakes it
-        engine.waiting.popleft()
-        s.state = State.RUNNING
-        engine.running.append(s)
-        prefill.append((s, n))
-        budget -= n
-        free -= need
-        rows -= 1
-    return decode, prefill, preempted
+            if need > free - engine.watermark_blocks:
+                break  # FCFS: the head waits for room, nobody overtakes it
+            self.waiting.popleft()
+            s.state = State.RUNNING
+            self.running.append(s)
+            prefill.append((s, n))
+            budget -= n
+            free -= need
+            rows -= 1
+        return decode, prefill, preempted
 
-
-def reserve(engine, decode: list, prefill: list, preempted: list[str]):
-    """Appends for the step's decode sequences and prefill chunks. Returns what may run:
-    (decode, prefill, copy-on-write copies). Sequences preempted here are added to `preempted`."""
-    bm, sync = engine.bm, engine.table.sync
-    if decode and hasattr(bm, "append_decode"):
-        try:  # the batched fast path; all or nothing
-            copies = bm.append_decode([s.id for s in decode], [s.tokens[-1] for s in decode])
-            for s in decode:
-                sync(s.id, copied=bool(copies))
-            return _prefill(engine, decode, prefill, copies)
-        except OutOfBlocks as no:
-            engine.refused("append_decode", decode[0].id, 1, no)
-    copies: dict[str, list] = {}
-    kept: list = []
-    for s in list(decode):
-        if s not in engine.running:
-            continue  # preempted to make room for an earlier one
-        while True:
-            try:
-                copies[s.id] = bm.append(s.id, [s.tokens[-1]])
-                sync(s.id, copied=bool(copies[s.id]))
-                kept.append(s)
-                break
+    def reserve(self, decode: list, prefill: list, preempted: list[str]):
+        """Appends for the step's decode sequences and prefill chunks. Returns what may run:
+        (decode, prefill, copy-on-write copies). Sequences preempted here join `preempted`."""
+        engine = self.engine
+        bm, sync = engine.bm, engine.table.sync
+        if decode and "append_decode" in engine.capabilities:
+            try:  # the batched fast path; all or nothing
+                copies = bm.append_decode([s.id for s in decode], [s.tokens[-1] for s in decode])
+                for s in decode:
+                    sync(s.id, copied=bool(copies))
+                return self._prefill(decode, prefill, copies)
             except OutOfBlocks as no:
-                engine.refused("append", s.id, 1, no)
-                victim = engine.running[-1]
-                engine._preempt(victim)
-                preempted.append(victim.id)
-                copies.pop(victim.id, None)
-                if victim in kept:
-                    kept.remove(victim)
-                prefill = [(p, n) for p, n in prefill if p is not victim]
-                if victim is s:
+                engine.refused("append_decode", decode[0].id, 1, no)
+        copies: dict[str, list] = {}
+        kept: list = []
+        for s in list(decode):
+            if s not in self.running:
+                continue  # preempted to make room for an earlier one
+            while True:
+                try:
+                    copies[s.id] = bm.append(s.id, [s.tokens[-1]])
+                    sync(s.id, copied=bool(copies[s.id]))
+                    kept.append(s)
                     break
-    return _prefill(engine, kept, prefill, [c for cs in copies.values() for c in cs])
+                except OutOfBlocks as no:
+                    engine.refused("append", s.id, 1, no)
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    preempted.append(victim.id)
+                    copies.pop(victim.id, None)
+                    if victim in kept:
+                        kept.remove(victim)
+                    prefill = [(p, n) for p, n in prefill if p is not victim]
+                    if victim is s:
+                        break
+        return self._prefill(kept, prefill, [c for cs in copies.values() for c in cs])
 
-
-def _prefill(engine, decode: list, prefill: list, copies: list):
-    bm, table, ran, back = engine.bm, engine.table, [], []
-    for s, n in prefill:
-        try:
-            if not s.holds:  # admission: the manager answers the tokens it has computed already
-                table.place(s.id)
-                known = s.tokens
-                h = bm.admit(s.id, known, n, len(known) - 1)  # the boundary validates the int
-                used = min(h, len(known) - 1)  # the last known token is computed (its logits)
-                have = h + min(n, len(known) - h)  # slots the manager now has
-                s.holds, s.num_computed, s.hit_tokens = True, used, used
-                engine.admitted(s, len(known), h, used)
-                table.sync(s.id)
-                ran.append((s, have - used))  # capped: recompute [used, h)
-            else:
-                got = bm.append(s.id, s.tokens[s.num_computed : s.num_computed + n])
-                table.sync(s.id, copied=bool(got))
-                copies += got
-                ran.append((s, n))
-        except OutOfBlocks as no:
-            engine.refused("admit" if not s.holds else "append", s.id, n, no)
-            if not s.holds:
-                table.drop(s.id)
-                back.append(s)  # holds nothing yet: back to the queue, first in line
-    for s in reversed(back):
-        engine.running.remove(s)
-        s.state = State.WAITING
-        engine.waiting.appendleft(s)
-    return decode, ran, copies
+    def _prefill(self, decode: list, prefill: list, copies: list):
+        engine = self.engine
+        bm, table, ran, back = engine.bm, engine.table, [], []
+        for s, n in prefill:
+            try:
+                if not s.holds:  # admission: the manager answers the tokens it has computed already
+                    table.place(s.id)
+                    known = s.tokens
+                    h = bm.admit(s.id, known, n, len(known) - 1)  # the boundary validates the int
+                    used = min(h, len(known) - 1)  # the last known token is computed (its logits)
+                    have = h + min(n, len(known) - h)  # slots the manager now has
+                    s.holds, s.num_computed, s.hit_tokens = True, used, used
+                    engine.admitted(s, len(known), h, used)
+                    table.sync(s.id)
+                    ran.append((s, have - used))  # capped: recompute [used, h)
+                else:
+                    got = bm.append(s.id, s.tokens[s.num_computed : s.num_computed + n])
+                    table.sync(s.id, copied=bool(got))
+                    copies += got
+                    ran.append((s, n))
+            except OutOfBlocks as no:
+                engine.refused("admit" if not s.holds else "append", s.id, n, no)
+                if not s.holds:
+                    table.drop(s.id)
+                    back.append(s)  # holds nothing yet: back to the queue, first in line
+        for s in reversed(back):
+            self.running.remove(s)
+            s.state = State.WAITING
+            self.waiting.appendleft(s)
+        return decode, ran, copies

@@ -63,7 +63,7 @@ class OrderingRace(Fault):
         # The engine's own record: ranks that computed on an old table with other content.
         ranks = output.stats.stale_tables
         if ranks:
-            live = sorted({s.id for s in engine.running} | set(output.finished))
+            live = sorted({s.id for s in engine.scheduler.running} | set(output.finished))
             snap = engine.snapshot()  # stale writes may land in any block held then
             self.touch(blocks={b for bs in snap.seq_blocks.values() for b in bs})
             self.stale_reads += 1

@@ -47,8 +47,8 @@ def fingerprint(eng: Engine) -> dict:
     return {
         "bm": eng.bm.snapshot().to_dict(),
         "seqs": list(eng.seqs),
-        "waiting": [s.id for s in eng.waiting],
-        "running": [s.id for s in eng.running],
+        "waiting": [s.id for s in eng.scheduler.waiting],
+        "running": [s.id for s in eng.scheduler.running],
         "states": {k: (s.state, list(s.tokens), s.num_computed) for k, s in eng.seqs.items()},
         "table": (eng.bm.table.rows, eng.bm.table.width),
         "step": eng.step_count,
@@ -108,7 +108,7 @@ def busy():
         for rid, row in out.logits.items():
             logits.setdefault(rid, []).append(row)
     eng.add_request("w", [13, 14], 2)
-    assert eng.running and eng.waiting
+    assert eng.scheduler.running and eng.scheduler.waiting
     return eng, logits
 
 
@@ -272,7 +272,7 @@ def test_failed_step_releases_its_sequences_with_error_and_recomputes(busy):
     eng, logits = busy
     reasons = []
     eng.seams.free_on_exit = lambda seq, why: reasons.append((seq.id, why)) or True
-    running = [s.id for s in eng.running]
+    running = [s.id for s in eng.scheduler.running]
     forward = eng.model.forward
 
     def fail(*args):

@@ -81,7 +81,7 @@ def check_accounting(engine: Engine) -> None:
     assert holders == snap.ref_counts
     assert len(snap.free) == len(set(snap.free)) == sum(1 for r in snap.ref_counts if r == 0)
     assert all(snap.ref_counts[b] == 0 for b in snap.free)
-    running = {s.id for s in engine.running}
+    running = {s.id for s in engine.scheduler.running}
     assert set(snap.seq_blocks) <= running
     for s in engine.seqs.values():
         if s.id in snap.seq_blocks:
@@ -92,10 +92,10 @@ def check_accounting(engine: Engine) -> None:
             assert snap.table[r * w : (r + 1) * w] == bl + [-1] * (w - len(bl))
         else:
             assert s.num_computed == 0 or s.state is not State.RUNNING
-    assert {s.id for s in engine.waiting} | running == {
+    assert {s.id for s in engine.scheduler.waiting} | running == {
         s.id for s in engine.seqs.values() if not s.done
     }
-    assert not ({s.id for s in engine.waiting} & running)
+    assert not ({s.id for s in engine.scheduler.waiting} & running)
 
 
 class Driver:
@@ -518,3 +518,29 @@ def test_requests_sharing_a_prompt_prefix_reuse_the_oracles_own_kv_with_the_same
     bad = items[1][3].clone()
     bad[0, 5] += 1.0
     assert shared.check_many([(*items[1][:3], bad)])[0].first_divergence == 0
+
+
+def test_the_scheduler_owns_its_queues_and_calls_only_public_methods():
+    """As nano-vllm's: the queues are the scheduler's, and it reaches the engine and the manager
+    through their public names only (read from its source)."""
+    import ast
+    import inspect
+
+    from kvchaos.engine import scheduler
+
+    eng = make_engine(num_blocks=12, max_prefill_tokens=8)
+    assert not hasattr(eng, "running") and not hasattr(eng, "waiting")
+    for i in range(4):  # other prompts (no cache hits), 6 blocks each: more than 12 in all
+        eng.add_request(f"r{i}", list(range(1 + 20 * i, 12 + 20 * i)), 12)
+    assert [s.id for s in eng.scheduler.waiting] == ["r0", "r1", "r2", "r3"]
+    preempted = []
+    while eng.has_unfinished():
+        preempted += eng.step().stats.preempted
+    assert preempted and eng.counters["preemptions"] == len(preempted)  # the small pool preempts
+    tree = ast.parse(inspect.getsource(scheduler))
+    reached = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in ("engine", "bm", "table"):
+                reached.add(node.attr)
+    assert reached and not [a for a in reached if a.startswith("_")], reached

@@ -119,7 +119,7 @@ def test_staging_not_applicable_on_cpu():
 def test_staging_alternation_runs_both_strategies():
     torch.set_num_threads(1)
     eng = decode_engine("cpu", 16, 32, batch=3, max_new=40)
-    assert all(s.uncomputed == 1 for s in eng.running) and len(eng.running) == 3
+    assert all(s.uncomputed == 1 for s in eng.scheduler.running) and len(eng.scheduler.running) == 3
     made = []
 
     def make(tag):

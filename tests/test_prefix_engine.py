@@ -73,7 +73,7 @@ def test_a_readmission_after_preemption_hits_its_own_blocks():
         eng.add_request("a", PROMPT, 8)
         for _ in range(4):
             eng.step()
-        eng._preempt(eng.seqs["a"])
+        eng.scheduler.preempt(eng.seqs["a"])
         toks = []
         while eng.has_unfinished():
             toks += [t for r, t in eng.step().tokens.items()]

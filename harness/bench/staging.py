@@ -62,7 +62,7 @@ def decode_engine(
     vocab = eng.config.model.vocab_size
     for i in range(batch):
         eng.add_request(f"r{i}", [(7 * i + j) % vocab for j in range(prompt_len)], max_new)
-    while eng.waiting or any(s.uncomputed > 1 for s in eng.running):
+    while eng.scheduler.waiting or any(s.uncomputed > 1 for s in eng.scheduler.running):
         eng.step()
     return eng
 
@@ -129,7 +129,7 @@ def measure(device: str | None = None, rounds: int = 10, steps_per_round: int = 
         p, q = per["pinned"], per["pageable"]
         res["tables"][label] = {
             "table_bytes": eng.staging.tensor.numel() * 4,
-            "batch": len(eng.running),
+            "batch": len(eng.scheduler.running),
             **per,
             "pageable_minus_pinned_us": round(q["median_us"] - p["median_us"], 1),
             "pageable_over_pinned": round(q["median_us"] / p["median_us"], 3),

@@ -12,7 +12,7 @@ from kvchaos.harness.history.cache import cache_delta, ints_in
 
 def judge(snap, engine, num_blocks: int, passed: dict | None = None):
     """judge_seen() against an engine: what its manager says and what it computed."""
-    computed = [(s.id, s.num_computed, len(s.tokens)) for s in engine.running]
+    computed = [(s.id, s.num_computed, len(s.tokens)) for s in engine.scheduler.running]
     free = engine.bm.num_free_blocks
     return judge_seen(snap, num_blocks, free, engine.bm.block_size, computed, passed)
 

@@ -98,7 +98,7 @@ class LiveRun:
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        live = [s.id for s in e.running]
+        live = [s.id for s in e.scheduler.running]
         live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
         self.passed = {
             **d,
