@@ -1,7 +1,14 @@
 """Shared test set-up."""
 
+import os
+
+import matplotlib
 import pytest
 import torch
+
+# pytester runs pytest with HOME in a fresh folder: matplotlib would build its font cache there
+# (seconds; past 5 s, on a busy machine, a line on stderr that tests reading stderr then see)
+os.environ.setdefault("MPLCONFIGDIR", matplotlib.get_cachedir())
 
 
 @pytest.fixture(autouse=True)
