@@ -47,6 +47,8 @@ MARKERS = {
     "distributed": "starts real torch.distributed ranks",
     "smoke": "a quick scenario",
     "conformance": "a block-manager conformance property (--kvchaos-block-manager)",
+    "timing": "its verdict depends on measured time (a latency-judged scenario): -m 'not timing' "
+    "leaves it out on a busy machine",
 }
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The latency checker beside a CPU hog (one busy process, as another job on a shared machine):
 # staging-stall-detect on DETECT seeds must be caught every time, staging-stall-clean on CLEAN seeds
-# must hold every time. Long: run by hand, not in CI (CI runs a few seeds: tests/test_latency.py).
+# must hold every time. Long: run by hand, not in CI (CI judges hand-made histories of such runs:
+# tests/test_latency.py; and runs the scenarios quietly, in .ci/run's timing step).
 #
 #   scripts/latency-under-load.sh [kvchaos run flags, e.g. --tp-mode distributed --world-size 2]
 #

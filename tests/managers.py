@@ -255,6 +255,9 @@ class RefusalBumpsRef(Delegate):
 
 
 def _hang() -> None:
+    marks = os.environ.get("KVCHAOS_TEST_HANGS")
+    if marks:  # the hang has begun (tests/test_isolation.py's clock waits for this)
+        open(os.path.join(marks, str(os.getpid())), "w").close()
     while True:  # loops forever; sleeps, so a hung run does not take a core from the others
         time.sleep(0.01)
 

@@ -55,7 +55,8 @@ class CachesUnwrittenPages(MyKVManager):
 
 
 def test_conformance_catches_an_adapter_that_caches_pages_a_failed_step_never_wrote():
-    results = {r.name: r for r in run_conformance(CachesUnwrittenPages, examples=100, shrink_s=3)}
+    results = run_conformance(CachesUnwrittenPages, examples=100, shrink_steps=100)
+    results = {r.name: r for r in results}
     bad = [n for n, r in results.items() if r.status == "failed"]
     assert bad == ["data"], bad
     assert any("failed_step" in step for step in results["data"].reproducer)

@@ -52,7 +52,7 @@ def write_scenario(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def test_help_from_the_console_script():
-    out = subprocess.run([str(KVCHAOS), "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([str(KVCHAOS), "--help"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stderr == ""
     assert "list" in out.stdout and "run" in out.stdout
     # the column is as wide as the longest command's name
@@ -62,7 +62,7 @@ def test_help_from_the_console_script():
 
 
 def test_version(capsys):
-    out = subprocess.run([str(KVCHAOS), "--version"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([str(KVCHAOS), "--version"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout == f"kvchaos {kvchaos.__version__}\n"
     rc, out, _ = cli(capsys, "--version")
     assert rc == 0 and out.strip() == f"kvchaos {kvchaos.__version__}"
@@ -151,13 +151,18 @@ def test_list_shows_every_builtin_with_expectation_and_markers(capsys):
 
 def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):
     """And the same seed gives the same history in another process (the staging scenario records a
-    buffer re-allocation, whose process id must not leak into the digest)."""
+    buffer re-allocation, whose process id must not leak into the digest). Its latency limit is
+    out of reach: this run's verdict is the history's, not the load beside it (timing's)."""
+    from kvchaos.harness.scenario.spec import BUILTIN_DIR
+
+    calm = tmp_path / "staging-stall-clean.toml"
+    calm.write_text((BUILTIN_DIR / calm.name).read_text() + "\n[run]\nlatency_slo_ratio = 1e9\n")
     out = subprocess.run(
         [
             str(KVCHAOS),
             "run",
             "baseline-clean",
-            "staging-stall-clean",
+            str(calm),
             "--seed",
             "0",
             "--report-dir",
@@ -183,9 +188,7 @@ def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):
     )
     stall = next(d for d in dirs if "staging-stall-clean" in d.name)
     theirs = json.loads((stall / "results.json").read_text())["history_digest"]
-    ours = run_scenario(load_scenario("staging-stall-clean"), 0, report_dir=None).results[
-        "history_digest"
-    ]
+    ours = run_scenario(load_scenario(calm), 0, report_dir=None).results["history_digest"]
     assert theirs == ours
 
 

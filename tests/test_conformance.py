@@ -6,6 +6,7 @@ applicable"; pytest collects the same properties as items."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ OPTIONAL = {  # need a capability
     "resize",
     "append_decode",
 }
+SHRINK = 100  # histories run while shrinking: enough for the steps these tests look for
 
 
 def statuses(results) -> dict[str, str]:
@@ -81,7 +83,9 @@ def test_the_command_prints_the_reproducer_and_exits_1(capsys):
 
 
 def test_a_refusal_that_changes_the_manager_is_caught():
-    results = {r.name: r for r in run_conformance(managers.NoRollback, examples=100, shrink_s=3)}
+    results = {
+        r.name: r for r in run_conformance(managers.NoRollback, examples=100, shrink_steps=SHRINK)
+    }
     assert [n for n, r in results.items() if r.status == "failed"] == ["refusal"]
     r = results["refusal"]
     assert "refused (OutOfBlocks), yet changed" in r.message and "num_free_blocks" in r.message
@@ -123,12 +127,33 @@ def test_the_same_seed_gives_the_same_result_and_another_seed_other_histories():
 
 
 @pytest.mark.parametrize(
+    "spec, bound, shrunk",
+    [("managers:NoRollback", "30", False), ("managers:StaleSnapshot", "500", True)],
+)
+def test_a_seed_repeats_its_checks_and_reproducer_as_shrinking_stops_at_a_count(
+    capsys, spec, bound, shrunk
+):
+    """Before: shrinking stopped at a time cap, so on a busy machine the same seed counted other
+    checks and printed another reproducer. Now it stops at a number of histories: cut short
+    there, or shrunk to its end, the same document twice."""
+    argv = ["--examples", "100", "--seed", "0", "--shrink-steps", bound, "--json"]
+    docs = []
+    for _ in range(2):
+        rc, out, _ = conformance(capsys, spec, *argv)
+        assert rc == 1
+        docs.append(json.loads(out))
+    assert docs[0] == docs[1]  # every property's checks, message and reproducer
+    (bad,) = [p for p in docs[0]["properties"] if p["status"] == "failed"]
+    assert bad["reproducer"] and bad["shrunk"] is shrunk and bad["judged"] > 0
+
+
+@pytest.mark.parametrize(
     "extra, message",
     [
         (["--block-manager", "os:path.join"], "'os:path.join': calling it on a tiny pool"),
         (["--block-manager", "managers:Nope"], "managers has no attribute Nope"),
         (["--block-manager", "managers:Delegate", "--examples", "0"], "--examples 0: must be"),
-        (["--block-manager", "managers:Delegate", "--shrink-seconds", "0"], "--shrink-seconds"),
+        (["--block-manager", "managers:Delegate", "--shrink-steps", "0"], "--shrink-steps 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):

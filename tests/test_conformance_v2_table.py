@@ -16,6 +16,7 @@ from kvchaos.harness.tools import canaries
 
 TABLE = ("table_rows", "resize")
 EXAMPLES = 100  # each caught on seeds 0-7 at 100 (a decode batch of two: 6 of 8 at 60)
+SHRINK = 100  # histories run while shrinking: enough for the step each test looks for
 
 
 def failed(results) -> dict:
@@ -55,7 +56,7 @@ class WithoutDecode(BlockManager):
     ],
 )
 def test_each_table_canary_fails_the_property_that_names_its_bug(manager, prop, says, step):
-    bad = failed(run_conformance(manager, examples=EXAMPLES, shrink_s=2))
+    bad = failed(run_conformance(manager, examples=EXAMPLES, shrink_steps=SHRINK))
     assert list(bad) == [prop], {n: r.message for n, r in bad.items()}
     r = bad[prop]
     assert says in r.message and any(step in s for s in r.reproducer), (r.message, r.reproducer)
@@ -69,7 +70,7 @@ def test_each_table_canary_fails_the_property_that_names_its_bug(manager, prop, 
     ],
 )
 def test_a_decode_batch_is_all_or_nothing(manager, prop, says):
-    bad = failed(run_conformance(manager, examples=EXAMPLES, shrink_s=2))
+    bad = failed(run_conformance(manager, examples=EXAMPLES, shrink_steps=SHRINK))
     assert list(bad) == [prop], {n: r.message for n, r in bad.items()}
     assert "append_decode([" in bad[prop].message and says in bad[prop].message
     assert any(".decode(" in s for s in bad[prop].reproducer), bad[prop].reproducer

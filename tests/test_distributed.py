@@ -201,6 +201,7 @@ def test_a_rank_that_dies_is_an_error_naming_it_and_nothing_is_left(cluster, mon
     )  # rank 2, stuck in a collective with the dead rank, was killed and reaped
 
 
+@pytest.mark.timing  # a 3 s group timeout against real ranks' answers, and the time it took
 def test_a_rank_that_hangs_is_an_error_after_the_timeout_and_is_killed(cluster, monkeypatch):
     cluster.close()
     before = _children()

@@ -187,6 +187,7 @@ def test_invalidated_staging_is_pageable_cuda():
 
 
 @gpu
+@pytest.mark.timing  # judged by latency: measured time
 @pytest.mark.parametrize(
     "name,expect_realloc", [("staging-stall-detect", False), ("staging-stall-clean", True)]
 )

@@ -13,16 +13,18 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvchaos.harness.check.verdict import EXIT_CODES
 from kvchaos.harness.cli import main
 from kvchaos.harness.history.log import read_history
+from kvchaos.harness.run import isolate
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # tests/managers.py, named by spec (the workers inherit sys.path)
 
-LIMIT = 2  # seconds: --timeout of the runs that hang
+LIMIT = 2  # seconds: --timeout of the runs that hang, on the clock below
 # baseline-clean seed 0 under managers.Fated: table_integrity finds the rows it leaves behind from
 # step 14; its fate comes in admit('r9', [...], 35, 34), at step 21, or in the engine's step 22
 CALL = "admit('r9', [...], 35, 34)"
@@ -46,6 +48,42 @@ CASES = {
 }
 
 
+class HangClock:
+    """The parent's clock for the time limit, moved by events instead of seconds: it runs only
+    while a worker that has begun its hang (its manager wrote a mark named by its pid) is alive,
+    and stands still until then and once the worker's pid is gone. So the limit fires inside
+    the hang, never while a busy machine is still starting the run."""
+
+    def __init__(self, marks: Path) -> None:
+        self.marks, self.began, self.ended = marks, {}, {}
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        for mark in self.marks.iterdir():
+            pid = int(mark.name)
+            self.began.setdefault(pid, now)
+            if pid not in self.ended and not _alive(pid):
+                self.ended[pid] = now
+        return sum(self.ended.get(pid, now) - t for pid, t in self.began.items())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def hang_clock(tmp_path, monkeypatch) -> HangClock:
+    marks = tmp_path / "hangs"
+    marks.mkdir()
+    monkeypatch.setenv("KVCHAOS_TEST_HANGS", str(marks))  # the workers get the environment
+    clock = HangClock(marks)
+    monkeypatch.setattr(isolate, "clock", clock)
+    return clock
+
+
 def run(capsys, tmp_path, *argv) -> tuple[int, dict]:
     rc = main(["run", *map(str, argv), "--report-dir", str(tmp_path / "r"), "--format", "json"])
     return rc, json.loads(capsys.readouterr().out)
@@ -61,16 +99,17 @@ def findings(res: dict, checker: str) -> list[dict]:
 
 @pytest.mark.parametrize("manager", list(CASES))
 def test_a_worker_that_hangs_or_dies_gets_a_verdict_with_its_history_and_findings(
-    capsys, tmp_path, manager
+    capsys, tmp_path, manager, hang_clock
 ):
     verdict, step, said = CASES[manager]
-    t0 = time.monotonic()
     rc, doc = run(
         capsys, tmp_path, "baseline-clean", "--seed", 0, "--timeout", LIMIT,
         "--block-manager", f"managers:{manager}",
     )  # fmt: skip
-    assert time.monotonic() - t0 < 60
     assert rc == EXIT_CODES[verdict] != 0
+    hang_clock()  # looks again: a hung worker was stopped at the limit and its pid is gone
+    hung = "Hang" in manager
+    assert len(hang_clock.began) == len(hang_clock.ended) == hung
     (only,) = doc["runs"]
     assert only["verdict"] == verdict and said in only["summary"], only["summary"]
     res = results(only)
@@ -91,7 +130,7 @@ def test_a_worker_that_hangs_or_dies_gets_a_verdict_with_its_history_and_finding
     assert (Path(only["run_dir"]) / "report.html").is_file()
 
 
-def test_the_stack_of_a_hang_and_of_a_segfault_is_the_evidence(capsys, tmp_path):
+def test_the_stack_of_a_hang_and_of_a_segfault_is_the_evidence(capsys, tmp_path, hang_clock):
     """Written by faulthandler: at the stop signal, and at the segfault."""
     heads = (("HangsInAdmit", "Current thread"), ("SegfaultsInAdmit", "Fatal Python error"))
     for manager, head in heads:
@@ -115,7 +154,7 @@ def test_sys_exit_inside_a_manager_call_is_a_fail_naming_it(capsys, tmp_path, mo
     assert found["message"] == f"{CALL} raised SystemExit: 0" and found["step"] == 21
 
 
-def test_the_batch_goes_on_after_a_hang_and_exits_with_the_worst(capsys, tmp_path):
+def test_the_batch_goes_on_after_a_hang_and_exits_with_the_worst(capsys, tmp_path, hang_clock):
     """Before: `--timeout 5` with a manager looping forever in a call hung until killed."""
     rc, doc = run(
         capsys, tmp_path, "baseline-clean", "--seeds", "0,1", "--timeout", LIMIT,
@@ -125,6 +164,8 @@ def test_the_batch_goes_on_after_a_hang_and_exits_with_the_worst(capsys, tmp_pat
     for r in doc["runs"]:
         (found,) = findings(results(r), "manager_calls")
         assert found["kind"] == "hang" and "did not return within 2 s" in found["message"]
+    hang_clock()
+    assert len(hang_clock.began) == len(hang_clock.ended) == 2  # one hang a run, each stopped
 
 
 def test_os_exit_0_in_the_console_script_is_no_longer_a_silent_green(tmp_path):
@@ -188,7 +229,8 @@ def test_ctrl_c_reaches_the_worker_and_its_record_is_kept(tmp_path):
     """Ctrl-C on `kvchaos run` while its worker is inside a call into the manager: the worker is
     told, records the run as interrupted, and the batch stops there with 130."""
     mark = tmp_path / "inside"
-    env = {**os.environ, "KVCHAOS_TEST_MARK": str(mark), "PYTHONPATH": str(TESTS)}
+    path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "KVCHAOS_TEST_MARK": str(mark), "PYTHONPATH": path}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvchaos", "run", "baseline-clean", "--seeds", "3",
          "--report-dir", str(tmp_path / "r"), "-q", "--block-manager", "managers:WaitsForCtrlC"],

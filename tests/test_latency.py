@@ -1,19 +1,16 @@
 """The latency checker on a shared, noisy CPU: a neighbour's load, on every step alike or arriving
 mid-run, is no finding; a staging stall is caught through it, even when the load disturbed most of
-the run's early (baseline) steps. Hand-made histories here; real runs beside a CPU hog at the end
-(slow)."""
+the run's early (baseline) steps. Hand-made histories, so the verdicts hold on any machine; real
+runs beside a CPU hog are scripts/latency-under-load.sh's (run by hand and quoted), and the one
+real run here, whose verdict is measured time, is marked timing."""
 
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
-from kvchaos.engine.cluster import Cluster
 from kvchaos.harness.check.checkers import check_latency
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import load_scenario
@@ -114,60 +111,6 @@ def test_waits_on_other_ranks_are_not_judged():
     assert check_latency(h, signal="latency_s").valid is False
 
 
-def _stall_ms(events: list[dict], step: int) -> float:
-    """What the invalidated staging buffer charges the upload at `step` (its busy-wait, in ms)."""
-    of = {e["kind"]: e["detail"] for e in events if e.get("fault") == "staging_stall"}
-    p, pages = of["armed"]["params"], of["trigger"]["pages"]
-    bad = min(pages, (step - p["at_step"] + 1) * -(-pages // p["ramp_steps"]))
-    return bad * p["plateau_us"] / 1e3 / pages
-
-
-@pytest.fixture
-def cpu_hog():
-    """One busy process beside the run, as another job on a shared two-core machine."""
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.2)
-        yield psutil.Process(hog.pid)
-    finally:
-        hog.kill()
-        hog.wait()
-
-
-DETECT_SEEDS, CLEAN_SEEDS = (17, 5, 8), (0, 1, 2)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "tp_mode", ["simulated", pytest.param("distributed", marks=pytest.mark.distributed)]
-)
-def test_staging_stall_caught_and_clean_held_beside_a_cpu_hog(cpu_hog, tp_mode):
-    """Seeds 17, 5 and 8 were MISSED beside a hog with two real ranks (the follower's late answers
-    counted as rank 0's host work, and a baseline of mostly disturbed steps)."""
-    detect, clean = load_scenario("staging-stall-detect"), load_scenario("staging-stall-clean")
-    with Cluster() as cluster:  # one launch for every run (simulated ranks leave it idle)
-        tp = {"tp_mode": tp_mode, "world_size": 2, "cluster": cluster}
-        t0, busy0 = time.monotonic(), sum(cpu_hog.cpu_times()[:2])
-        _detect_and_clean(detect, clean, tp)
-        busy = sum(cpu_hog.cpu_times()[:2]) - busy0
-    assert busy > 0.25 * (time.monotonic() - t0)  # the load was really there, all along
-
-
-def _detect_and_clean(detect, clean, tp: dict) -> None:
-    for seed in DETECT_SEEDS:
-        r = run_scenario(detect, seed, report_dir=None, **tp)
-        assert r.verdict == "PASS", (seed, r.summary)
-        (f,) = [f for f in r.findings if f.checker == "latency"]
-        fired = r.results["fault_verify"]["staging_stall"]["first_step"]
-        assert fired < f.step <= fired + detect.expect.within_steps
-        # measured, and real: the upload's floor holds what the staging path was made to wait
-        assert f.evidence["upload_min_ms"] >= _stall_ms(r.events, f.evidence["window"][0])
-    for seed in CLEAN_SEEDS:
-        r = run_scenario(clean, seed, report_dir=None, **tp)
-        lat = next(c for c in r.results["checkers"] if c["checker"] == "latency")
-        assert r.verdict == "PASS" and lat["status"] == "held", (seed, r.summary)
-
-
 class SlowerSnapshots:
     """The plain reference whose snapshot() takes longer each call (a cache that keeps growing):
     the harness calls it inside the step, at each upload and before growth on a low pool."""
@@ -186,6 +129,7 @@ class SlowerSnapshots:
         return Slow(*args)
 
 
+@pytest.mark.timing
 def test_the_harness_own_snapshots_are_not_counted_as_the_engine_slowing_down():
     """harness_s holds the snapshot time the harness spent inside each step; latency_s, host_s
     and upload_s leave it out, so a snapshot that grows slower is no latency climb."""

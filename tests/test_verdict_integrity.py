@@ -101,8 +101,10 @@ def test_the_race_fires_from_what_the_engine_did_not_from_the_checkers_crc(monke
     ],
 )
 def test_a_clean_run_whose_trigger_never_fired_is_inconclusive(name, edit):
-    assert run(name).verdict == "PASS"
-    r = run(edited(name, edit))
+    # latency's limit out of reach: the verdicts are the triggers', not a busy machine's timing
+    calm = lambda d: d.setdefault("run", {}).update(latency_slo_ratio=1e9)  # noqa: E731
+    assert run(edited(name, calm)).verdict == "PASS"
+    r = run(edited(name, lambda d: (calm(d), edit(d))))
     assert r.verdict == "INCONCLUSIVE", r.summary
     assert "trigger never pulled" in r.summary
 

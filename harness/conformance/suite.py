@@ -37,7 +37,8 @@ from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2
 from kvchaos.harness.run.user_code import validate_manager
 
 EXIT_FAILED = 1
-EXAMPLES, STEPS, SHRINK_S = 200, 30, 10.0  # 200 histories of 30 steps: ~2 s on the reference
+EXAMPLES, STEPS = 200, 30  # 200 histories of 30 steps: ~2 s on the reference
+SHRINK_STEPS = 500  # histories run while shrinking a failure: 5-30 s for the canaries
 
 
 @dataclass
@@ -48,7 +49,7 @@ class PropertyResult:
     judged: int = 0  # judgements made of it, over every history run
     message: str = ""
     reproducer: list[str] = field(default_factory=list)  # the shrunk Hypothesis steps
-    shrunk: bool = True  # False: shrinking stopped at its time cap; a shorter one may exist
+    shrunk: bool = True  # False: shrinking stopped at its step bound; a shorter one may exist
 
 
 def _violation(error: BaseException) -> Violation | None:
@@ -62,29 +63,53 @@ def _violation(error: BaseException) -> Violation | None:
     return None
 
 
-@contextmanager
-def _shrinking_for(seconds: float):
-    """Hypothesis shrinks a failure for up to 5 minutes; a failure that needs a long history
-    (a refusal on every fifth call) would hold the command that long. Its own cap, lowered."""
-    from hypothesis.internal.conjecture import engine
+class ShrinkBound:
+    """Whether shrinking was stopped at its bound (Hypothesis then reports the shortest failing
+    history it has seen)."""
 
-    old = getattr(engine, "MAX_SHRINKING_SECONDS", None)
-    engine.MAX_SHRINKING_SECONDS = seconds
+    cut = False
+
+
+@contextmanager
+def _shrinking_at_most(steps: int):
+    """Hypothesis shrinks a failure for up to 5 minutes, so how far it gets (and how many
+    judgements it makes) depends on the machine's speed. Bounded by a count instead: at most
+    `steps` histories run after the first failure was found. Its runner is replaced for the
+    while (its own MAX_SHRINKS counts only the shrinks that succeed, not the tries between)."""
+    from hypothesis import core
+    from hypothesis.internal.conjecture.engine import ExitReason
+
+    bound, real = ShrinkBound(), core.ConjectureRunner
+
+    class Bounded(real):
+        tried = 0
+
+        def test_function(self, data) -> None:
+            super().test_function(data)
+            if self.interesting_test_cases:  # a failure found: what runs now is shrinking
+                self.tried += 1
+                if self.tried >= steps:
+                    bound.cut = True
+                    self.exit_with(ExitReason.max_shrinks)
+
+    core.ConjectureRunner = Bounded
     try:
-        yield
+        yield bound
     finally:
-        if old is None:
-            del engine.MAX_SHRINKING_SECONDS
-        else:
-            engine.MAX_SHRINKING_SECONDS = old
+        core.ConjectureRunner = real
 
 
 def run_conformance(
-    factory, examples: int = EXAMPLES, seed: int = 0, steps: int = STEPS, shrink_s=SHRINK_S
+    factory,
+    examples: int = EXAMPLES,
+    seed: int = 0,
+    steps: int = STEPS,
+    shrink_steps: int = SHRINK_STEPS,
 ) -> list[PropertyResult]:
     """Every property of PROPERTIES_V2 for the manager `factory` builds: passed, failed (with
-    the steps that show it, shrunk for at most shrink_s seconds) or not applicable. Runs the
-    machine again without each property that failed, until the rest pass."""
+    the steps that show it, shrunk in at most shrink_steps histories) or not applicable. Runs the
+    machine again without each property that failed, until the rest pass. The same arguments give
+    the same results."""
     caps = capabilities(factory(16, 4, 4, 8))
     props = PROPERTIES_V2
     judged = {p for p, (need, _) in props.items() if need is None or need in caps}
@@ -107,7 +132,7 @@ def run_conformance(
         )
         said: list[str] = []  # Hypothesis's reports (the steps come as the error's notes)
         try:
-            with _shrinking_for(shrink_s), with_reporter(said.append):
+            with _shrinking_at_most(shrink_steps) as bound, with_reporter(said.append):
                 run_state_machine_as_test(use_seed(seed)(machine), settings=config)
             break
         except Exception as e:
@@ -116,7 +141,7 @@ def run_conformance(
                 raise
             notes = getattr(v, "__notes__", None) or getattr(e, "__notes__", ())
             steps_ = [n for n in notes if n.startswith("state") or " = state." in n]
-            cut = any("stopped because" in line for line in said)  # its shrink-time warning
+            cut = bound.cut or any("stopped because" in line for line in said)  # its 5 minutes
             failed[v.prop] = (str(v).partition(": ")[2], steps_, not cut)
     out = []
     for name, (need, says) in props.items():
@@ -133,7 +158,7 @@ def run_conformance(
 
 
 def describe_failure(r: PropertyResult) -> list[str]:
-    how = "shrunk" if r.shrunk else "shrinking stopped at its time cap"
+    how = "shrunk" if r.shrunk else "shrinking stopped at its step bound"
     return [f"{r.name} FAILED: {r.message}", f"  reproducer ({how}):"] + [
         f"    {line}" for line in r.reproducer
     ]
@@ -192,23 +217,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=STEPS, metavar="N", help=f"calls per history ({STEPS})"
     )
     p.add_argument(
-        "--shrink-seconds",
-        type=float,
-        default=SHRINK_S,
-        metavar="S",
-        help=f"time to shrink each failure to a short history (default {SHRINK_S:g})",
+        "--shrink-steps",
+        type=int,
+        default=SHRINK_STEPS,
+        metavar="N",
+        help="histories tried while shrinking each failure to a short one, a count (not a time): "
+        f"the same seed, the same reproducer (default {SHRINK_STEPS})",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def main(args) -> int:
-    for flag, value in (("--examples", args.examples), ("--steps", args.steps)):
+    counts = ("--examples", args.examples), ("--steps", args.steps)
+    for flag, value in (*counts, ("--shrink-steps", args.shrink_steps)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
-    if not args.shrink_seconds > 0:
-        raise ValueError(f"--shrink-seconds {args.shrink_seconds}: must be > 0")
     factory = validate_manager(args.block_manager)
-    results = run_conformance(factory, args.examples, args.seed, args.steps, args.shrink_seconds)
+    results = run_conformance(factory, args.examples, args.seed, args.steps, args.shrink_steps)
     failed = any(r.status == "failed" for r in results)
     if args.json:
         doc = {"block_manager": args.block_manager, "examples": args.examples, "seed": args.seed}

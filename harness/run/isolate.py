@@ -41,6 +41,7 @@ HASH_SEED = "0"
 PRELOAD = ["kvchaos.harness.run.isolate_preload"]  # what the fork server imports once
 PAGE_SIZE = 4096
 _HEAD = struct.Struct("<Id")  # the call's length in bytes (0: none in progress), its start time
+clock = time.monotonic  # the parent's clock for a run's time limit (tests drive it by events)
 
 
 class CallPage:
@@ -336,11 +337,11 @@ def _wait(proc, conn, timeout_s: float | None, on_wait=None):
     the run's, then the published one; how it ended: ("published", None or "interrupted") |
     ("exit", code) | ("interrupted", code) |
     ("timeout", None) | ("interrupted", None)). Stops the worker at the limit."""
-    deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
+    deadline = clock() + timeout_s if timeout_s else float("inf")
     ran = None
     interrupted = False
     while True:
-        left = deadline - time.monotonic()
+        left = deadline - clock()
         if left <= 0:
             _stop(proc)
             return ran, ("interrupted" if interrupted else "timeout", None)
@@ -359,7 +360,7 @@ def _wait(proc, conn, timeout_s: float | None, on_wait=None):
                 else:
                     if kind == "published":  # a Ctrl-C seen meanwhile still stops the batch
                         return result, ("published", "interrupted" if interrupted else None)
-                    ran, deadline = result, time.monotonic() + REPORT_LIMIT_S
+                    ran, deadline = result, clock() + REPORT_LIMIT_S
                     continue
             if proc.sentinel in ready:
                 proc.join()
@@ -370,7 +371,7 @@ def _wait(proc, conn, timeout_s: float | None, on_wait=None):
                 return ran, ("interrupted", None)
             interrupted = True  # the worker records the run as interrupted, as in-process
             os.kill(proc.pid, signal.SIGUSR2)
-            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            deadline = clock() + INTERRUPT_GRACE_S
 
 
 def _stop(proc, grace: float = STOP_GRACE_S) -> None:

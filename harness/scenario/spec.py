@@ -196,9 +196,16 @@ class Scenario(_Strict):
 
     @property
     def markers(self) -> list[str]:
+        from kvchaos.faults import REGISTRY  # here, not at the top: see parse_scenario
+
         marks = ["scenario"] + [f"fault_{f.name}" for f in self.faults] + list(self.scenario.tags)
         if self.engine_config().tp_size > 1 and "distributed" in self.scenario.tags:
             marks.append("distributed")
+        # judged by the latency checker (expected to fire, or a trigger it must see through):
+        # the verdict depends on measured time, so it runs apart from a busy machine's suite
+        detectors = {d for f in self.faults for d in REGISTRY[f.name].detectors}
+        if "latency" in {*self.expect.checkers, *detectors}:
+            marks.append("timing")
         return sorted(set(marks))
 
     def engine_config(self, device: str | None = None, seed: int = 0) -> EngineConfig:

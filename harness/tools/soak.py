@@ -104,8 +104,12 @@ class Soak:
         self.budget = parse_budget(args.budget)
         self.shard = parse_shard(args.shard)
         self.keep, self.cap = parse_keep(args.keep), parse_size(args.max_disk)
-        if args.inject_hang_every is not None and args.inject_hang_every < 1:
-            raise ValueError(f"--inject-hang-every {args.inject_hang_every}: must be >= 1")
+        for flag, n in (
+            ("--inject-hang-every", args.inject_hang_every),
+            ("--max-runs", args.max_runs),
+        ):
+            if n is not None and n < 1:
+                raise ValueError(f"{flag} {n}: must be >= 1")
         self.args = args
         # each worker gets this: a matplotlib figure per incident run would triple a soak's cost
         os.environ["KVCHAOS_PLOTS"] = args.plots
@@ -368,7 +372,7 @@ class Soak:
             live.start()
         try:
             k, replay_due = 0, True
-            while time.monotonic() < end:
+            while time.monotonic() < end and k != self.args.max_runs:
                 job = self._job(k)
                 k += 1
                 t_run = time.monotonic()
@@ -505,8 +509,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "`kvchaos analyze RUN_DIR` draws them later)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no live display, only the summary")
-    # tests the hang kill
+    # tests the hang kill; and bound a soak by its runs, so a busy machine runs the same ones
     p.add_argument("--inject-hang-every", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-runs", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def main(args) -> int:
