@@ -63,3 +63,16 @@ def test_pytest_collects_scenarios_without_torch(tmp_path):
     )
     assert "mine.toml::mine[seed=1]" in out.stdout, out.stdout + out.stderr
     assert "HEAVY=\n" in out.stdout
+
+
+def test_conformance_writes_nothing_into_the_current_folder(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvchaos", "conformance", "--examples", "5", "--block-manager"]
+        + ["kvchaos.engine.prefix_manager:PrefixCachingManager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .hypothesis/, no reports/

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -227,13 +229,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
+@contextmanager
+def _hypothesis_home():
+    """Hypothesis keeps caches (its character tables) under ./.hypothesis even without an example
+    database: the command keeps them in the user's cache folder instead, nothing in theirs."""
+    from hypothesis import configuration
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    configuration.set_hypothesis_home_dir(base / "kvchaos" / "hypothesis")
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(None)  # its default again
+
+
 def main(args) -> int:
     counts = ("--examples", args.examples), ("--steps", args.steps)
     for flag, value in (*counts, ("--shrink-steps", args.shrink_steps)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
     factory = validate_manager(args.block_manager)
-    results = run_conformance(factory, args.examples, args.seed, args.steps, args.shrink_steps)
+    with _hypothesis_home():
+        results = run_conformance(factory, args.examples, args.seed, args.steps, args.shrink_steps)
     failed = any(r.status == "failed" for r in results)
     if args.json:
         doc = {"block_manager": args.block_manager, "examples": args.examples, "seed": args.seed}
