@@ -25,6 +25,7 @@ import torch
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.staging import StagingBuffer
+from kvchaos.harness.run.device import resolve_device
 
 NOT_APPLICABLE = (
     "not applicable: no CUDA device. On the CPU the block table never crosses to a device, "
@@ -119,7 +120,7 @@ def upload_times(numel: int, device: str, runs: int = 50) -> dict:
 
 
 def measure(device: str | None = None, rounds: int = 10, steps_per_round: int = 12) -> dict:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     if not device.startswith("cuda"):
         return {"applicable": False, "reason": NOT_APPLICABLE}
     res = {"applicable": True, "device": torch.cuda.get_device_name(), "tables": {}}

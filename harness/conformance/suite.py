@@ -37,6 +37,7 @@ from kvchaos.engine.protocols import capabilities
 from kvchaos.harness.conformance.common import Violation
 from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2
 from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.scenario import options
 
 EXIT_FAILED = 1
 EXAMPLES, STEPS = 200, 30  # 200 histories of 30 steps: ~2 s on the reference
@@ -200,13 +201,7 @@ def describe(spec: str, results: list[PropertyResult], examples: int, seed: int)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument(
-        "--block-manager",
-        required=True,
-        metavar="MODULE:ATTR",
-        help="the block manager under test, called as "
-        "ATTR(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)",
-    )
+    options.add(p, "block_manager", lead="the block manager under test", required=True)
     p.add_argument(
         "--examples",
         type=int,
