@@ -17,7 +17,6 @@ from pathlib import Path
 import kvchaos
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
-from kvchaos.harness.report.batch import details, print_table, run_doc, where
 from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.scenario.inputs import parse_seeds
 
@@ -180,6 +179,7 @@ def _scenario_doc(s) -> dict:
 
 
 def cmd_run(args) -> int:
+    from kvchaos.harness.report.batch import details, print_table, run_doc, where
     from kvchaos.harness.run import isolate
 
     isolated = not args.in_process and "RANK" not in os.environ  # torchrun's ranks: in-process

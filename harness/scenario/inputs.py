@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvchaos.engine.config import DEVICE
 from kvchaos.engine.errors import ConfigError, KVChaosError
 
 if TYPE_CHECKING:
@@ -69,6 +68,8 @@ def seconds(text: str) -> float:
 
 
 def device(text: str) -> str:
+    from kvchaos.engine.config import DEVICE  # here: a command's --help needs none of the config
+
     if text != "auto" and not DEVICE.fullmatch(text):
         raise ValueError(f"{text!r}: expected auto, cpu, cuda or cuda:N")
     return text
