@@ -295,7 +295,10 @@ def test_passing_runs_beyond_keep_are_deleted_and_findings_kept(capped, tmp_path
     )
     assert examples or not any(r["verdict"] == "INCONCLUSIVE" for r in rows)
     gone = [r for r in passing if r["run_dir"] is None]
-    assert len(gone) == s["disk"]["deleted_runs"] > len(passing) // 2
+    # all but the sample, the cited and the examples (how many are cited is the runs' mix: a
+    # stall's detection is measured time, so a busy machine cites others)
+    least = len(passing) - 3 - len(cited) - len(examples)
+    assert len(gone) == s["disk"]["deleted_runs"] >= least > 0
     on_disk = {
         d.name for d in (capped.folder / "runs").iterdir() if not d.is_symlink() and d.is_dir()
     }
