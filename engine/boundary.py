@@ -27,6 +27,8 @@ CALLS = (
     "snapshot",
 )
 PROPERTIES = ("num_blocks", "num_free_blocks", "num_free_rows")
+# Calls whose arguments carry a token list (at this index): the call log keeps its length only
+TOKEN_ARG = {"admit": 1, "append": 1}
 LOW_POOL_BLOCKS = 16  # at or below this many free blocks a refusal is plausible: snapshot first
 
 
@@ -134,6 +136,18 @@ def check_answer(name: str, out, args: tuple, pool: int) -> None:
         check(out, pool, *args)
 
 
+def logged(x):
+    """An argument or answer as the call log keeps it: plain data, copied (a manager's answer may
+    be its live state, which changes after the call)."""
+    if isinstance(x, (list, tuple)):
+        return [logged(v) for v in x]
+    if isinstance(x, dict):
+        return {k if isinstance(k, str) else str(k): logged(v) for k, v in x.items()}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
 def describe(call: str, args: tuple) -> str:
     shown = ", ".join(repr(a) if not isinstance(a, list) or len(a) < 9 else "[...]" for a in args)
     return f"{call}({shown})"
@@ -146,6 +160,14 @@ class Boundary:
     # worker (kvchaos.harness.run.isolate) sets it, so that its parent can name a call that hung
     # or ended the process. None (the default) costs one attribute read per call.
     watch = None
+    # The call log: None (off), or a list each protocol call appends [name, args, answer] to,
+    # answer {"refused": message} or {"raised": "Type: message"} for what came back instead.
+    # Token lists are kept by length unless full_tokens (a reproducer needs them). Snapshots and
+    # the count properties are reads, not logged.
+    log: list | None = None
+    full_tokens = False
+    # Told (name, args) after each call returned or was refused, while set (call localization)
+    after = None
 
     def __init__(self, manager) -> None:
         object.__setattr__(self, "manager", manager)
@@ -165,11 +187,15 @@ class Boundary:
         grows = name in ("admit", "append", "append_decode", "fork")
         check = ANSWERS.get(name)
 
+        tokens_at = TOKEN_ARG.get(name) if name != "snapshot" else None
+        logs = name != "snapshot"
+
         def call(*args, **kw):
             calls[name] += 1
             if kw:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
             self._enter((name, args))
+            log = self.log if logs else None
             try:
                 before = self._before_growth() if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
@@ -178,15 +204,48 @@ class Boundary:
             except OutOfBlocks as refusal:
                 if grows:  # a refusal must change nothing
                     refusal.changed = self._changed_by_refusal(before)
+                if log is not None:
+                    self._log(log, name, args, {"refused": str(refusal)}, tokens_at)
+                if self.after is not None:
+                    self.after(name, args)
                 raise
             except (Exception, SystemExit) as e:  # sys.exit() in the manager: its bug too
+                if log is not None:
+                    self._log(log, name, args, {"raised": f"{type(e).__name__}: {e}"}, tokens_at)
                 raise ManagerError(name, args, e) from e
             finally:
                 self._enter(None)
+            if log is not None:
+                self._log(log, name, args, out, tokens_at)
+            if self.after is not None:
+                self.after(name, args)
             return out
 
         call.__name__ = name
         return call
+
+    def _log(self, log: list, name: str, args: tuple, out, tokens_at: int | None) -> None:
+        shown = [logged(a) for a in args]
+        if tokens_at is not None and not self.full_tokens and len(args) > tokens_at:
+            shown[tokens_at] = f"<{len(args[tokens_at])} tokens>"
+        log.append([name, shown, logged(out)])
+
+    def start_log(self, full_tokens: bool = False) -> None:
+        """Log every protocol call from now on (full_tokens: token lists whole)."""
+        object.__setattr__(self, "log", [])
+        object.__setattr__(self, "full_tokens", full_tokens)
+
+    def on_call(self, after) -> None:
+        """after(name, args) is told of each call that returned or refused (None: nobody)."""
+        object.__setattr__(self, "after", after)
+
+    def drain(self) -> list:
+        """The calls logged since the last drain (the log goes on)."""
+        log = self.log
+        if not log:
+            return []
+        object.__setattr__(self, "log", [])
+        return log
 
     def _before_growth(self):
         """What a refusal of the coming call must leave as it is. A full snapshot when a refusal

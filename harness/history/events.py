@@ -110,6 +110,17 @@ class _Snapshot(TypedDict):
     live: list[str]  # requests the engine is running
 
 
+class Calls(TypedDict):
+    """The calls into the manager in a step, in order (the engine's and the plan's: a cancel's
+    release, a fork), each [name, args, answer]; answer {"refused": message} for a refusal,
+    {"raised": "Type: message"} for an exception. Token lists are shown as "<N tokens>".
+    Written before the step's own event; left out of the history's digest (log.DIGEST_SKIP)."""
+
+    e: Literal["calls"]
+    step: int
+    calls: list[list[Any]]
+
+
 class Snapshot(_Snapshot, total=False):
     seq_tokens: dict[str, int]
     reserved: list[int]
@@ -278,6 +289,7 @@ Event = Union[
     Cancel,
     Step,
     Snapshot,
+    Calls,
     SnapshotInvalid,
     Engine,
     Fault,

@@ -86,6 +86,8 @@ class LiveRun:
         self.passed: dict = {}
         self.observe_s = 0.0  # the harness's own time inside the step now running (snapshots)
         self.engine.record_writes = observe
+        if observe:  # every call into the manager, in the history (not in its digest)
+            self.engine.bm.start_log()
         self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
         self.telemetry = Telemetry.from_env(device)
 
@@ -381,6 +383,11 @@ class LiveRun:
         res = cross_check(self.oracle, tokens[: start + logits.shape[0]], start, logits)
         self.h.append({"e": "reference", "step": step, "req": req, **res})
 
+    def _log_calls(self, step: int) -> None:
+        calls = self.engine.bm.drain()
+        if calls:
+            self.h.append({"e": "calls", "step": step, "calls": calls})
+
     # -- the loop ---------------------------------------------------------------------
     def run(self, deadline: float | None = None) -> str:
         e, h, run = self.engine, self.h, self.sc.run
@@ -398,6 +405,7 @@ class LiveRun:
             except BaseException:
                 if self.kv is not None:
                     self.kv.abort(e.step_count)
+                self._log_calls(e.step_count)  # the failing call is the last of them
                 raise
             st = out.stats
             if self.kv is not None:
@@ -416,6 +424,7 @@ class LiveRun:
             # takes to judge refusals): the step's timings are the engine's without them
             at_upload, box = self.observe_s, e.bm.snapshot_s
             spent, self.observe_s, box[0] = at_upload + box[0], 0.0, 0.0
+            self._log_calls(st.step)
             h.append(
                 {
                     "e": "step",
@@ -461,6 +470,8 @@ class LiveRun:
             self._oracle(req, self.engine.step_count)
         self._check_oracle_queue()
         # The final state: after the last step's frees and any cancels that came after it.
+        if self.observe:
+            self._log_calls(self.engine.step_count + 1)
         self.snapshot(self.engine.step_count + 1)
         verify = {
             f.name: f.verify() if f.defect else {"planted": False, **f.verify()}
