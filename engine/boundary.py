@@ -166,7 +166,9 @@ class Boundary:
     # the count properties are reads, not logged.
     log: list | None = None
     full_tokens = False
-    # Told (name, args) after each call returned or was refused, while set (call localization)
+    # Told (name, args) before and after each logged call that returns or refuses, while set
+    # (call localization)
+    before = None
     after = None
 
     def __init__(self, manager) -> None:
@@ -196,6 +198,8 @@ class Boundary:
                 args = args + tuple(f"{k}={v}" for k, v in kw.items())  # shown, not passed
             self._enter((name, args))
             log = self.log if logs else None
+            if logs and self.before is not None:
+                self.before(name, args)
             try:
                 before = self._before_growth() if grows else None
                 out = fn(*args[: len(args) - len(kw)], **kw)
@@ -206,7 +210,7 @@ class Boundary:
                     refusal.changed = self._changed_by_refusal(before)
                 if log is not None:
                     self._log(log, name, args, {"refused": str(refusal)}, tokens_at)
-                if self.after is not None:
+                if logs and self.after is not None:
                     self.after(name, args)
                 raise
             except (Exception, SystemExit) as e:  # sys.exit() in the manager: its bug too
@@ -217,7 +221,7 @@ class Boundary:
                 self._enter(None)
             if log is not None:
                 self._log(log, name, args, out, tokens_at)
-            if self.after is not None:
+            if logs and self.after is not None:
                 self.after(name, args)
             return out
 
@@ -235,9 +239,11 @@ class Boundary:
         object.__setattr__(self, "log", [])
         object.__setattr__(self, "full_tokens", full_tokens)
 
-    def on_call(self, after) -> None:
-        """after(name, args) is told of each call that returned or refused (None: nobody)."""
+    def on_call(self, after, before=None) -> None:
+        """after(name, args) is told of each logged call that returned or refused, before(name,
+        args) of each before it is made (None: nobody)."""
         object.__setattr__(self, "after", after)
+        object.__setattr__(self, "before", before)
 
     def drain(self) -> list:
         """The calls logged since the last drain (the log goes on)."""

@@ -136,24 +136,7 @@ def run_scenario(
         if block_manager is None and block_manager_spec:
             block_manager = load_object(block_manager_spec)
         run = LiveRun(sc, seed, device, history, block_manager, tp, cluster)
-        cfg = run.cfg
-        history.append(
-            {
-                "e": "run_start",
-                "step": 0,
-                "scenario": sc.name,
-                "seed": seed,
-                "config": cfg.to_dict(),
-                "config_hash": cfg.config_hash(),
-                "commit": git_commit(),
-                "device": device,
-                "time": dt.datetime.now().isoformat(timespec="seconds"),
-                "block_manager": block_manager_spec or reference_spec(cfg.cache),
-                "capabilities": sorted(run.engine.capabilities),
-                "telemetry": run.telemetry.status(),
-                "plan": [a.to_dict() for a in run.plan.actions],
-            }
-        )
+        history.append(start_event(run, sc, seed, device, block_manager_spec))
         run.arm()
         reason = run.run(time.monotonic() + timeout_s if timeout_s else None)
     except KeyboardInterrupt:
@@ -187,6 +170,12 @@ def run_scenario(
     history.close()
     events = history.events
     checks, v = evaluate(sc, events, verify, error)
+    checked = [c.to_dict() for c in checks]
+    localized = None
+    if v.verdict == "FAIL" and run is not None and device == "cpu" and cluster is None:
+        localized = localize_findings(
+            sc, seed, device, block_manager, block_manager_spec, tp, events, checked
+        )
     results = {
         "scenario": sc.name,
         "seed": seed,
@@ -210,7 +199,8 @@ def run_scenario(
         "time_to_detect_steps": v.time_to_detect,
         "credits": v.credit_rows(),
         "fault_verify": verify,
-        "checkers": [c.to_dict() for c in checks],
+        "checkers": checked,
+        "localization": localized,
         "history_digest": history.digest(),
         # what orders the manager's sets and dicts of strings: fixed in an isolated worker
         "python_hash_seed": os.environ.get("PYTHONHASHSEED") or "random",
@@ -233,6 +223,44 @@ def run_scenario(
         results=results,
         events=events,
     )
+
+
+def start_event(run: LiveRun, sc: Scenario, seed: int, device: str, spec: str | None) -> dict:
+    """The history's first event: what the run is."""
+    cfg = run.cfg
+    return {
+        "e": "run_start",
+        "step": 0,
+        "scenario": sc.name,
+        "seed": seed,
+        "config": cfg.to_dict(),
+        "config_hash": cfg.config_hash(),
+        "commit": git_commit(),
+        "device": device,
+        "time": dt.datetime.now().isoformat(timespec="seconds"),
+        "block_manager": spec or reference_spec(cfg.cache),
+        "capabilities": sorted(run.engine.capabilities),
+        "telemetry": run.telemetry.status(),
+        "plan": [a.to_dict() for a in run.plan.actions],
+    }
+
+
+def localize_findings(sc, seed, device, block_manager, spec, tp, events, checks) -> dict:
+    """Name the call behind each kind of finding (a deterministic replay; run/explain.py):
+    the findings' dicts gain "call". What it named, or why not, for results.json."""
+    from kvchaos.harness.run.explain import explain, summary
+
+    findings = [f for c in checks for f in c["findings"]]
+    out = explain(
+        sc, seed, device, block_manager, tp,
+        lambda run: start_event(run, sc, seed, device, spec), events, findings,
+    )  # fmt: skip
+    return {
+        "replayed_steps": out["replayed_steps"],
+        "budget_steps": out["budget_steps"],
+        "note": out["note"],
+        "lines": summary(out),
+    }
 
 
 def _failure(history: History, ex: BaseException, step: int) -> dict | None:

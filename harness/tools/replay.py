@@ -99,21 +99,22 @@ def _stable(event: dict) -> dict:
 
 
 def _today(events):
-    """Events with the run_start's block manager in today's names (runs recorded before kvchaos
-    had one import name say engine.*): the same manager is the same run. The call log is not
-    compared (runs recorded before it have none; what the manager answered shows in the rest)."""
-    for ev in events:
+    """(line index, event) of the events compared, the run_start's block manager in today's names
+    (runs recorded before kvchaos had one import name say engine.*): the same manager is the same
+    run. The call log is not compared (runs recorded before it have none; what the manager
+    answered shows in the rest)."""
+    for i, ev in enumerate(events):
         if ev.get("e") in DIGEST_SKIP:
             continue
         if ev.get("e") == "run_start" and ev.get("block_manager"):
             ev = {**ev, "block_manager": canonical_spec(ev["block_manager"])}
-        yield ev
+        yield i, ev
 
 
 def history_digest(path: Path) -> str:
     """The deterministic digest of a stored history, streamed, in today's names."""
     h = hashlib.sha256()
-    for ev in _today(iter_history(path)):
+    for _, ev in _today(iter_history(path)):
         h.update(stable_line(ev))
     return h.hexdigest()
 
@@ -123,10 +124,11 @@ def first_difference(recorded: Path, replayed: Path) -> dict | None:
     Both histories are streamed: a long run is never held in memory."""
     missing = object()
     pairs = itertools.zip_longest(
-        _today(iter_history(recorded)), _today(iter_history(replayed)), fillvalue=missing
+        _today(iter_history(recorded)), _today(iter_history(replayed)), fillvalue=(None, missing)
     )
     answers = 0  # the manager's answers before this event, identical in both
-    for i, (a, b) in enumerate(pairs):
+    for (ia, a), (ib, b) in pairs:
+        i = ia if ia is not None else ib  # its line in the recorded history (else the replayed)
         if a is missing or b is missing:
             there = b if a is missing else a
             return {
