@@ -33,6 +33,10 @@ TOOLS = {
     ),
     "soak": ("kvchaos.harness.tools.soak", "run randomised scenarios until a time budget is spent"),
     "replay": ("kvchaos.harness.tools.replay", "re-run a stored run and compare its history"),
+    "explain": (
+        "kvchaos.harness.tools.explain",
+        "name the call into the manager behind each finding of a stored run",
+    ),
     "shrink": (
         "kvchaos.harness.tools.shrink",
         "reduce a failing run to a minimal scenario and a pytest file",
@@ -59,6 +63,10 @@ EXITS = {
     "run": _VERDICTS,
     "analyze": _VERDICTS,
     "replay": [(0, "identical", ""), (1, "different", "the history differs from the recorded one")],
+    "explain": [
+        (0, "named", "a call named for a finding (or no finding to explain)"),
+        (1, "none named", "findings against the manager, no call named (the lines say why)"),
+    ],
     "shrink": [
         (0, "shrunk", "a smaller scenario and its test written (or it was already minimal)"),
         (1, "not reproduced", "the re-run does not show the recorded verdict"),

@@ -279,3 +279,18 @@ def localize(f: dict, events: list[dict], probes: list[Probe] | None) -> Located
     if f["checker"] in CHECKERS:
         return by_state(f, probes, events)
     return f"no rule for {f['checker']}"
+
+
+def carry_calls(old: list[dict], new: list[dict]) -> None:
+    """Re-checked findings (kvchaos analyze) keep the calls a replay named for the same ones."""
+    named = {
+        (c["checker"], f.get("kind"), f["step"], f["message"]): f["call"]
+        for c in old
+        for f in c.get("findings", [])
+        if f.get("call")
+    }
+    for c in new:
+        for f in c["findings"]:
+            call = named.get((c["checker"], f.get("kind"), f["step"], f["message"]))
+            if call:
+                f["call"] = call

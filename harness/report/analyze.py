@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.evaluate import evaluate
+from kvchaos.harness.check.localize import carry_calls
 from kvchaos.harness.check.metrics import run_metrics
 from kvchaos.harness.check.verdict import EXIT_CODES, current
 from kvchaos.harness.history.log import check_history, deterministic_digest, read_history
@@ -91,6 +92,7 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
         "analyzed_from": current(stored.get("verdict")),
     }
     results.pop("report_error", None)
+    carry_calls(stored.get("checkers", []), results["checkers"])
     write_reports(run_dir, results, events, plots=plots)
     if index:
         update_index(run_dir.parent)

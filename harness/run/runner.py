@@ -245,15 +245,18 @@ def start_event(run: LiveRun, sc: Scenario, seed: int, device: str, spec: str | 
     }
 
 
-def localize_findings(sc, seed, device, block_manager, spec, tp, events, checks) -> dict:
+def localize_findings(
+    sc, seed, device, block_manager, spec, tp, events, checks, budget_steps: int | None = None
+) -> dict:
     """Name the call behind each kind of finding (a deterministic replay; run/explain.py):
     the findings' dicts gain "call". What it named, or why not, for results.json."""
-    from kvchaos.harness.run.explain import explain, summary
+    from kvchaos.harness.run.explain import DEFAULT_BUDGET_STEPS, explain, summary
 
     findings = [f for c in checks for f in c["findings"]]
     out = explain(
         sc, seed, device, block_manager, tp,
         lambda run: start_event(run, sc, seed, device, spec), events, findings,
+        budget_steps or DEFAULT_BUDGET_STEPS,
     )  # fmt: skip
     return {
         "replayed_steps": out["replayed_steps"],
