@@ -223,7 +223,7 @@ def by_state(f: dict, probes: list[Probe], events: list[dict]) -> Located | str:
     """The first probe in the finding's window after which its kind holds, where it did not."""
     window = [p for p in probes if f["step"] - 1 <= p.step <= f["step"]]
     if not window:
-        return f"no calls into the manager at steps {f['step'] - 1}-{f['step']}"
+        return f"no snapshot after a call at steps {f['step'] - 1}-{f['step']}"
     earlier = [p for p in probes if p.step < f["step"] - 1]
     was = _holds(f, earlier[-1], events) if earlier else False
     for p in window:

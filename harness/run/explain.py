@@ -7,7 +7,7 @@ nothing."""
 from __future__ import annotations
 
 from kvchaos.harness.check.localize import Located, Probe, describe, localize
-from kvchaos.harness.check.snapshots import judge
+from kvchaos.harness.history.cache import cache_delta
 from kvchaos.harness.history.log import History, stable_line
 from kvchaos.harness.run.live import LiveRun
 
@@ -50,9 +50,16 @@ class _Prober:
         e = self.run.engine
         return e.step_count if self.in_step else e.step_count + 1
 
-    def _snap(self, step: int) -> dict:
+    def _snap(self, step: int) -> dict | None:
+        """The manager's snapshot as an event, whole (None: it gave none to read)."""
         e = self.run.engine
-        _, d, _ = judge(e.snapshot(), e, self.run.cfg.cache.num_blocks, {})
+        try:
+            d = e.snapshot().to_dict()
+            cache = d.pop("cache", None)
+            if cache is not None:
+                d.update(cache_delta({}, cache, self.run.cfg.cache.num_blocks)[0])
+        except Exception:  # the run's own snapshot check tells what is wrong with it
+            return None
         return {"e": "snapshot", "step": step, **d, "live": [s.id for s in e.scheduler.running]}
 
     def pre(self, name: str, args: tuple) -> None:
@@ -65,6 +72,9 @@ class _Prober:
         self.index[step] = i + 1
         if step not in self.windows and name != "release":
             return
+        snapshot = self._snap(step)
+        if snapshot is None:
+            return
         _, shown_args, answer = self.run.engine.bm.log[-1]
         before, self.before = self.before, None
         self.probes.append(
@@ -74,7 +84,7 @@ class _Prober:
                 call=name,
                 args=shown_args,
                 answer=answer,
-                snapshot=self._snap(step),
+                snapshot=snapshot,
                 context=len(self.run.h.events),
                 before=before,
             )
@@ -109,7 +119,7 @@ def probe_run(sc, seed, device, manager, tp, start_event, windows: set[int], unt
         run.finish(reason)
     except _Stop:
         pass
-    except Exception:  # the recorded run failed here too: what was probed stands
+    except Exception:  # the recorded run failed here too: what was probed stands (faithful())
         pass
     finally:
         e.bm.on_call(None)
