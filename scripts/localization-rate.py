@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvchaos.engine.prefix_manager import PrefixCachingManager  # noqa: E402
+from kvchaos.harness.check.story import root_first  # noqa: E402
 from kvchaos.harness.run.runner import run_scenario  # noqa: E402
 from kvchaos.harness.scenario.spec import load_scenario  # noqa: E402
 from tests.bug_managers import BUGGY  # noqa: E402
@@ -41,11 +42,9 @@ CANARY_CALLS = {
 
 
 def first_named(results: dict):
-    fs = sorted(
-        (f for c in results["checkers"] for f in c["findings"] if f.get("call")),
-        key=lambda f: (f["step"], f["call"]["step"]),
-    )
-    return fs[0]["call"] if fs else None
+    """The call named for the story's first root that has one (what the incident leads with)."""
+    fs = root_first([f for c in results["checkers"] for f in c["findings"]])
+    return next((f["call"] for f in fs if f.get("call")), None)
 
 
 def main() -> int:
@@ -79,8 +78,11 @@ def main() -> int:
                     misses.append(f"{sc_name}/{seed}: {call and call['call']} {loc[:1]}")
         total_found, total_named = total_found + found, total_named + named
         rate = f"{named}/{found}" if found else "-"
-        print(f"{name:28} named the buggy call in {rate:6} runs that found it "
-              f"({time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"{name:28} named the buggy call in {rate:6} runs that found it "
+            f"({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
         for m in misses[:3]:
             print(f"    miss {m}")
     print(f"overall: {total_named}/{total_found} = {total_named / max(1, total_found):.0%}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvchaos.harness.check.story import order_key, story
+
 VerdictName = Literal["PASS", "MISSED", "FAIL", "INCONCLUSIVE", "ERROR"]
 PASS, MISSED, FAIL, INCONCLUSIVE, ERROR = "PASS", "MISSED", "FAIL", "INCONCLUSIVE", "ERROR"
 # Verdict names recorded by older releases: FALSE_ALARM read as "the harness was wrong", yet it is
@@ -97,7 +99,7 @@ def _expected(sc, name: str) -> list[str]:
 def decide(
     sc, checks: list, verify: dict, error: dict | None, exercised: dict | None = None
 ) -> Verdict:
-    findings = sorted((f for c in checks for f in c.findings), key=lambda f: (f.step, f.checker))
+    findings = sorted((f for c in checks for f in c.findings), key=order_key)
     explained = attribute(sc, findings, verify)
     credits = [e[0] if e else (None, None) for e in explained]  # the best: a cause first
     # a row per finding (its best explanation), and one more per other fault it is a cause of
@@ -137,7 +139,7 @@ def decide(
             missed.append(f"{name}{late}")
     bug = ""
     if unexplained:
-        first = unexplained[0]
+        first = story(unexplained)[0][0]  # the root: a bystander never heads the summary
         bug = (
             f"{first.checker} at step {first.step} is explained by no planted fault: "
             f"{first.message}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvchaos.harness.check.localize import describe as describe_call
+from kvchaos.harness.check.story import root_first
 from kvchaos.harness.check.verdict import ERROR, FAIL, MEANING, current
 from kvchaos.harness.report.evidence import (
     detection,
@@ -82,8 +84,38 @@ def _subjects(results: dict, v: RunView) -> list[tuple[str, str | None, list[str
 
 
 def _findings(results: dict, checkers: list[str]) -> list[dict]:
+    """The incident's findings in the story's order: each root, then what it explains."""
     fs = [f for c in results.get("checkers", []) if c["checker"] in checkers for f in c["findings"]]
-    return sorted(fs, key=lambda f: f["step"])
+    return root_first(fs)
+
+
+def _call_line(findings: list[dict]) -> str:
+    call = next((f["call"] for f in findings if f.get("call")), None)
+    return f" The call that broke it: {describe_call(call)}." if call else ""
+
+
+def _from_call(v: RunView, results: dict, checkers: list[str]) -> tuple[dict, str] | None:
+    """The root cause as the replay named it: the call after which the first root finding held,
+    read against what the manager declares it offers."""
+    first = next((f for f in _findings(results, checkers) if f.get("call")), None)
+    if first is None:
+        return None
+    call, bm = first["call"], v.block_manager
+    caps = v.start.get("capabilities") or []
+    offers = f"it declares {', '.join(caps)}" if caps else "it declares no optional capability"
+    text = (
+        f"{describe_call(call)}: the first call after which {first['checker']} "
+        f"({first.get('kind')}) held. The bug is in {bm}'s `{call['call']}` ({offers})."
+    )
+    fix = (
+        f"fix `{call['call']}` in {bm} so that it leaves the manager as the protocol says "
+        "(docs/protocol-v2.md); `kvchaos shrink` writes the calls as a test, then replay the run"
+    )
+    return {
+        "status": "suspected",
+        "text": text,
+        "source": "the call a replay of the run found, call by call (kvchaos explain)",
+    }, fix
 
 
 def _root_cause(
@@ -112,6 +144,9 @@ def _root_cause(
             )
         return {"status": "suspected", "text": text, "source": "the run's error"}, fix
     k = _fault_knowledge(fault, v.armed)
+    named = _from_call(v, results, checkers) if kind not in ("detection", "missed") else None
+    if named is not None:
+        return named
     if kind in ("detection", "missed"):
         text = k.get("root_cause", "")
         if own:
@@ -329,7 +364,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                     "summary": results.get("summary", ""),
                     "expectation": results.get("expectation", {}),
                 },
-                "summary": _summary(kind, named, det, impact, fv, bm),
+                "summary": _summary(kind, named, det, impact, fv, bm) + _call_line(findings),
                 "impact": impact,
                 "trigger": trigger_section(v, fault, fv),
                 "detection": det,

@@ -2,21 +2,55 @@
 
 from __future__ import annotations
 
+from kvchaos.harness.check.localize import shown
 from kvchaos.harness.report.evidence import kv_text
 from kvchaos.harness.report.view import RunView
 
 TIMELINE_MAX, REPEATS_SHOWN = 80, 3
+# Calls shown around a finding: what changes the manager (reads and estimates are left out)
+SHOWN_CALLS = ("admit", "append", "append_decode", "fork", "release", "resize_table")
+
+
+def focus_steps(results: dict) -> set[int]:
+    """The steps around each checker's first finding and each named call: shown whole."""
+    steps = set()
+    for c in results.get("checkers", []):
+        for f in c["findings"][:1] + [f for f in c["findings"] if f.get("call")][:1]:
+            for s in (f["step"], (f.get("call") or {}).get("step", f["step"])):
+                steps |= {s - 1, s, s + 1}
+    return steps
+
+
+def _answer(out) -> str:
+    if isinstance(out, dict) and ("refused" in out or "raised" in out):
+        return f"refused: {out['refused']}" if "refused" in out else f"raised {out['raised']}"
+    return repr(out) if not isinstance(out, list) or len(out) <= 8 else f"<{len(out)} items>"
 
 
 def timeline(v: RunView, results: dict) -> list[dict]:
     items = []
+    focus = focus_steps(results)
+    named = {
+        (f["call"]["step"], f["call"].get("index"))
+        for c in results.get("checkers", [])
+        for f in c["findings"]
+        if f.get("call")
+    }
 
     def add(step, order, text, mark="", group=None):
+        group = None if step in focus else group  # around a finding, nothing is folded
         items.append({"step": step, "order": order, "text": text, "mark": mark, "group": group})
 
     for i, e in enumerate(v.events):
         k, s = e.get("e"), e.get("step", 0)
-        if k == "run_start":
+        if k == "calls" and s in focus:
+            for j, (name, args, out) in enumerate(e["calls"]):
+                if name in SHOWN_CALLS or (isinstance(out, dict) and "raised" in out):
+                    mark = "detect" if (s, j) in named else ""
+                    add(s, i + j / 1000, f"call {shown(name, args)} -> {_answer(out)}", mark)
+        elif k == "step" and s in focus and e.get("preempted"):
+            add(s, i, f"preempted: {', '.join(e['preempted'])}")
+        elif k == "run_start":
             add(
                 s,
                 -2,
