@@ -161,7 +161,9 @@ def test_refusals_are_counted():
 
 def test_a_refusal_that_leaves_a_trace_is_caught():
     r = run("refcount-leak-clean", 0, "TracedRefusal")
-    assert r.verdict == "FAIL" and "block_accounting" in r.summary
+    # the refusal heads the story; the wrong counts it left are listed under it
+    assert r.verdict == "FAIL" and "refused, yet changed the manager" in r.summary
+    assert any(f.checker == "block_accounting" for f in r.findings)
 
 
 # -- the catch itself: without the expected checkers, every detect scenario is MISSED ---------

@@ -12,7 +12,8 @@ def bench_harness_overhead(
     """The built-in suite (seed 0) driven three ways: the engine alone (workload and faults, no
     harness); with the harness's checking (history, snapshots, oracle, checkers and verdict, the
     history kept in memory); and as `kvchaos run` does it, with each run's folder written (history,
-    results, incidents, report.html) and the report index rebuilt once at the end."""
+    results, incidents, report.html) and the report index rebuilt once at the end; and checking
+    with the call log off (its cost)."""
     import tempfile
 
     from kvchaos.harness.history.log import History
@@ -38,6 +39,15 @@ def bench_harness_overhead(
                 run_scenario(sc, 0, device=device, report_dir=None)
             return perf() - t
 
+        def unlogged() -> float:  # checking with the call log off: what the log costs
+            from kvchaos.engine.boundary import Boundary
+
+            start, Boundary.start_log = Boundary.start_log, lambda self, full_tokens=False: None
+            try:
+                return checking()
+            finally:
+                Boundary.start_log = start
+
         def alone() -> float:
             t = perf()
             for sc in scs:
@@ -46,4 +56,7 @@ def bench_harness_overhead(
                 run.run()
             return perf() - t
 
-        return round_robin({"harness": harness, "checking": checking, "alone": alone}, repeats)
+        return round_robin(
+            {"harness": harness, "checking": checking, "unlogged": unlogged, "alone": alone},
+            repeats,
+        )

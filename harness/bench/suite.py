@@ -313,6 +313,17 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             "ratio",
             higher_is_better=False,
         )
+        m["call_log"] = _metric(
+            "built-in suite checked, call log on vs off",
+            "s",
+            ov["checking"],
+            ov["unlogged"],
+            "the same, without the call log",
+            1.1,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
         m["harness_overhead_suite"] = _metric(
             "built-in suite: + run folders, reports vs alone",
             "s",
