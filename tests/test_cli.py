@@ -85,6 +85,7 @@ SOURCES = {
     "analyze": ["kvchaos.harness.check.verdict"],
     "replay": ["kvchaos.harness.tools.replay"],
     "shrink": ["kvchaos.harness.tools.shrink"],
+    "explain": ["kvchaos.harness.tools.explain"],
     "soak": ["kvchaos.harness.tools.soak", "kvchaos.harness.tools.soak_summary"],
     "gpu-check": ["kvchaos.harness.bench.gpu_check"],
     "selftest": ["kvchaos.harness.tools.selftest"],

@@ -33,7 +33,7 @@ def test_the_history_logs_every_call_outside_its_digest(leak_run):
     events = read_history(leak_run.run_dir / "history.jsonl")
     calls = [c for e in events if e["e"] == "calls" for c in e["calls"]]
     names = {c[0] for c in calls}
-    assert {"admit", "release", "append_decode", "block_ids"} <= names
+    assert {"admit", "release", "append_decode"} <= names
     assert "snapshot" not in names  # the harness's own reads are not calls of the run
     admit = next(c for c in calls if c[0] == "admit")
     assert admit[1][1].endswith(" tokens>")  # token lists by length
@@ -111,3 +111,10 @@ def test_the_reader_outranks_the_blocks_holder():
     assert roots[0][0] is reader and set(map(id, roots[0][1])) == {id(holder), id(diverged)}
     assert [r for r, _ in roots] == [reader, other]
     assert root_first([other, holder, reader, diverged])[0] is reader
+
+
+def test_the_commands_budget_is_the_replays():
+    from kvchaos.harness.run import explain as replayed
+    from kvchaos.harness.tools import explain as command
+
+    assert command.DEFAULT_BUDGET_STEPS == replayed.DEFAULT_BUDGET_STEPS

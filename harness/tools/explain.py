@@ -11,19 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvchaos.harness.history.log import read_history
-from kvchaos.harness.history.results import write_results
-from kvchaos.harness.report.analyze import analyze
-from kvchaos.harness.run.device import resolve_device
-from kvchaos.harness.run.explain import DEFAULT_BUDGET_STEPS
-from kvchaos.harness.run.runner import localize_findings
-from kvchaos.harness.run.user_code import load_object
 from kvchaos.harness.tools.replay import load_run, recorded_setup
 
 EXIT_NONE = 1  # findings against the manager, none named
+DEFAULT_BUDGET_STEPS = 2000  # kvchaos.harness.run.explain's (its module loads torch)
 
 
 def explain_run(run_dir: Path, budget_steps: int = DEFAULT_BUDGET_STEPS) -> dict:
+    from kvchaos.harness.history.log import read_history
+    from kvchaos.harness.history.results import write_results
+    from kvchaos.harness.report.analyze import analyze
+    from kvchaos.harness.run.device import resolve_device
+    from kvchaos.harness.run.runner import localize_findings
+    from kvchaos.harness.run.user_code import load_object
+
     sc, _, results = load_run(run_dir)
     setup = recorded_setup(run_dir, results)
     if setup["tp_mode"] == "distributed":
