@@ -195,7 +195,8 @@ def _summary(kind, fault, det, impact, fv, bm) -> str:
     lat = impact["latency"]
     bl = impact["blocks_leaked"]
     bits = [
-        f"requests affected: {len(impact['requests_affected'])}",
+        f"requests affected: {len(impact['requests_affected'])} "
+        f"({len(impact['requests_output_wrong'])} with a wrong output)",
         f"tokens diverged: {impact['tokens_diverged']}",
         f"blocks leaked: {bl['count']}",
     ]
