@@ -175,3 +175,25 @@ def test_latency_windows_never_overlap_and_agree_with_the_history():
     # the idle steps are named as left out, never in the median
     assert lat["other_steps_after"] == sum(1 for s in ms if s >= 14) - len(after)
     assert min(lat["baseline_steps"], lat["after_steps"]) >= MIN_LATENCY_STEPS
+
+
+def test_the_figure_zooms_on_the_steps_where_things_happen(forgets_plain):
+    from kvchaos.harness.report.plots import draw, focus
+
+    r, inc, _, _ = forgets_plain
+    v = RunView(r.events)
+    busy = [s["step"] for s in v.steps if s.get("prefill_tokens") or s.get("decode_tokens")]
+    acts = [e["step"] for e in r.events if e["e"] in ("submit", "cancel")]
+    assert v.last_step >= 10 * max(busy + acts)  # starved: nothing ran for most of the run
+    fig = draw(v, r.results["fault_verify"], [inc])
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        assert lo <= min(busy + acts) and max(busy + acts) <= hi < v.last_step / 5, (lo, hi)
+    det = inc["detection"]["first_step"]
+    assert det > hi  # found past the span: named at the edge, not squeezed into view
+    notes = [t.get_text() for t in fig.axes[0].texts]
+    assert any(f"at step {det}" in t for t in notes), notes
+    assert f"of 0-{v.last_step} shown" in fig.axes[-1].get_xlabel()
+    # a run busy from start to end keeps its whole axis
+    ms = {s: 1.0 for s in range(1, 100)}
+    assert focus(_run(ms, set(ms)), {"fired": {}, "leaks": [], "error": None}, []) is None
