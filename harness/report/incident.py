@@ -339,7 +339,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                 "remediation": fix,
                 "timeline": steps,
                 "reproduction": {
-                    "command": rel_command(replay),
+                    "command": rel_command(replay, base=run_dir.parent if run_dir else None),
                     "seed": results.get("seed"),
                     "commit": results.get("commit"),
                     "config_hash": results.get("config_hash"),
