@@ -49,6 +49,10 @@ TOOLS = {
         "kvchaos.harness.bench.gpu_check",
         "the prepared GPU check: gpu tests, CUDA scenarios, kernel bench, soak",
     ),
+    "clean": (
+        "kvchaos.harness.tools.clean",
+        "delete run folders older than an age from a report folder, rebuild its index",
+    ),
     "conformance": (
         "kvchaos.harness.conformance.suite",
         "test your block manager against the protocol's properties (Hypothesis, shrunk)",
@@ -91,6 +95,7 @@ EXITS = {
         (3, "reference flagged", "the reference manager failed a run (wins over 1)"),
     ],
     "bench": [(0, "measured", "targets are reported, never asserted")],
+    "clean": [(0, "cleaned", "the old run folders removed (or listed, with --dry-run)")],
     "conformance": [
         (0, "conforms", "every applicable property passed"),
         (1, "failed", "a property failed: its shrunk reproducer is printed"),

@@ -274,6 +274,8 @@ class ScenarioItem(pytest.Item):
     def repr_failure(self, excinfo, style=None):
         if not isinstance(excinfo.value, ScenarioFailure):
             return super().repr_failure(excinfo)
+        from kvchaos.harness.report.batch import replay_of
+
         r = excinfo.value.args[0]
         evidence = (
             "; ".join(f"[{f.checker} @ step {f.step}] {f.message}" for f in r.findings[:3])
@@ -281,7 +283,7 @@ class ScenarioItem(pytest.Item):
         )
         return (
             f"{r.verdict}: {r.summary}\nevidence: {evidence}\n"
-            f"replay: {r.results['replay']}\nrun folder: {r.run_dir}"
+            f"replay: {replay_of(r)}\nrun folder: {r.run_dir}"
         )
 
     def reportinfo(self):

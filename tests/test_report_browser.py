@@ -164,3 +164,109 @@ def test_the_index_filters_run_in_the_browser(runs, tmp_path):
     assert "hidden" not in rows[race.scenario]
     assert "hidden" in rows[leak.scenario] and "hidden" in rows[clean.scenario]
     assert '<span id="f-count">1</span>' in dom
+
+
+def probe(browser: str, page: Path, script: str, tmp: Path, width: int = 1400) -> dict:
+    """Run `script` (JavaScript that sets `out`) on `page` laid out in a window `width` px wide;
+    `out` comes back as JSON. The page is copied beside itself, so its links resolve alike."""
+    import json
+
+    copy = page.with_name(f"probe-{page.name}")
+    tag = "<script>var out = {};\n" + script
+    tag += '\nvar p = document.createElement("pre"); p.id = "probe";'
+    tag += "\np.textContent = JSON.stringify(out); document.body.appendChild(p);</script>"
+    copy.write_text(page.read_text().replace("</body>", tag + "</body>"))
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom"]
+    cmd += [f"--user-data-dir={tmp / 'profile'}", f"--window-size={width},900", copy.as_uri()]
+    try:
+        dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    finally:
+        copy.unlink()
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    return json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+
+
+def contrast(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """WCAG 2 contrast ratio of two sRGB colours (0..255)."""
+
+    def lum(c):
+        lin = [x / 255 / 12.92 if x <= 10.31 else ((x / 255 + 0.055) / 1.055) ** 2.4 for x in c]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((lum(a[:3]), lum(b[:3])), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def _hex(h: str) -> tuple[int, int, int]:
+    h = h[1:] if len(h) == 7 else "".join(c * 2 for c in h[1:])  # #fff is #ffffff
+    return tuple(int(h[i : i + 2], 16) for i in (0, 2, 4))
+
+
+def test_every_badge_class_has_a_readable_background(runs):
+    """No browser needed: each verdict or severity a badge shows has its own background, one
+    white text reads on (the CAUGHT badge was white on white)."""
+    d, (race, leak, clean) = runs
+    for page in (race.run_dir / "report.html", leak.run_dir / "report.html", d / "index.html"):
+        html = page.read_text()
+        css = " ".join(re.findall(r"<style>(.*?)</style>", html, re.S))
+        fg = re.search(r"\.v \{[^}]*?color: (#[0-9a-f]{3}(?:[0-9a-f]{3})?);", css).group(1)
+        bg = {}
+        for names, colour in re.findall(
+            r"((?:\.[A-Z0-9_]+[, ]*)+)\{ background: (#[0-9a-f]{6});", css
+        ):
+            bg.update({n: colour for n in re.findall(r"\.([A-Z0-9_]+)", names)})
+        used = set(re.findall(r'class="v (\w+)"', html))
+        assert "CAUGHT" in used or page != race.run_dir / "report.html"
+        for name in used:
+            assert name in bg, f"{page.name}: badge {name} has no background: {fg} on the page"
+            assert contrast(_hex(fg), _hex(bg[name])) >= 4.5, (page.name, name, bg[name])
+
+
+def test_badges_read_in_the_browser(runs, tmp_path):
+    chromium = browser()
+    _, (race, _, _) = runs
+    got = probe(
+        chromium,
+        race.run_dir / "report.html",
+        'out.badges = Array.from(document.querySelectorAll(".v")).map(function (e) {\n'
+        "  var s = getComputedStyle(e); return [e.textContent, s.color, s.backgroundColor]; });",
+        tmp_path,
+    )
+    rgb = lambda s: tuple(float(x) for x in re.findall(r"[\d.]+", s))  # noqa: E731
+    assert any(text == "CAUGHT" for text, _, _ in got["badges"]), got
+    for text, fg, bg in got["badges"]:
+        assert len(rgb(bg)) == 3 or rgb(bg)[3] > 0, f"{text}: no background ({bg})"
+        assert contrast(rgb(fg), rgb(bg)) >= 4.5, (text, fg, bg)
+
+
+def test_the_index_fits_a_1400_px_window_with_long_names(runs, tmp_path):
+    """A manager named by its file's path, a long scenario name and a summary with a long path in
+    it: the summary column stays in the window, nothing scrolls sideways."""
+    import json
+
+    from kvchaos.harness.report.index import update_index
+
+    chromium = browser()
+    d, runs_ = runs
+    reports = tmp_path / "reports"
+    for r in runs_:
+        shutil.copytree(r.run_dir, reports / r.run_dir.name)
+    res = reports / runs_[0].run_dir.name / "results.json"
+    doc = json.loads(res.read_text())
+    deep = "/home/someone/projects/my_engine/kv/block_managers/experimental_paged_manager_v2.py"
+    doc["block_manager"] = f"{deep}:LeakyPagedBlockManagerWithPrefixReuse"
+    doc["scenario"] = "a-very-long-scenario-name-from-a-user-project-detect-on-two-ranks"
+    doc["summary"] += f" raised at {deep}:123 in admit_with_prefix_reuse_and_eviction"
+    res.write_text(json.dumps(doc))
+    update_index(reports)
+    got = probe(
+        chromium,
+        reports / "index.html",
+        "var d = document.documentElement; out.inner = innerWidth; out.scroll = d.scrollWidth;\n"
+        'out.sums = Array.from(document.querySelectorAll("td.sum")).map(function (td) {\n'
+        "  return td.getBoundingClientRect().right; });",
+        tmp_path,
+    )
+    assert len(got["sums"]) == 3 and got["scroll"] <= got["inner"] == 1400, got
+    assert max(got["sums"]) <= got["inner"], got

@@ -4,6 +4,7 @@ ERROR with what was recorded kept; the run folder; running under a user's own Bl
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -313,7 +314,9 @@ def test_run_folder_contents(tiny, tmp_path):
     assert start["block_manager"] == "kvchaos.engine.prefix_manager:PrefixCachingManager"
     assert events[-1]["e"] == "run_end" and events[-1]["reason"] == "done"
     assert res["steps"] == len([e for e in events if e["e"] == "step"]) == res["metrics"]["steps"]
-    assert res["replay"] == f"kvchaos run {tiny.source} --seed 0 --device cpu"
+    # the scenario's path relative to the report folder (here the folder the file is in)
+    rel = os.path.relpath(tiny.source, r.run_dir.parent)
+    assert res["replay"] == f"kvchaos run {rel} --seed 0 --device cpu"
     again = run_scenario(tiny, 0, report_dir=tmp_path)
     assert again.run_dir != r.run_dir  # same second, same name: its own folder
 

@@ -88,7 +88,7 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
         "metrics": run_metrics(events),
         "exercised": verdict.exercised,
         "credits": verdict.credit_rows(),
-        "replay": stored.get("replay") or replay_command(sc, seed, device),
+        "replay": stored.get("replay") or replay_command(sc, seed, device, run_dir=run_dir),
         "analyzed_from": current(stored.get("verdict")),
     }
     results.pop("report_error", None)

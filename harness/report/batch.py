@@ -7,14 +7,19 @@ from pathlib import Path
 
 import kvchaos
 from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, worst
+from kvchaos.harness.report.paths import rel_command
 
 
 def details(r) -> str:
     """A run that is not PASS: what happened and how to see it again."""
-    return (
-        f"{r.scenario} seed {r.seed}: {r.summary}\n"
-        f"  replay: {r.results.get('replay')}  run: {r.run_dir}"
-    )
+    return f"{r.scenario} seed {r.seed}: {r.summary}\n  replay: {replay_of(r)}  run: {r.run_dir}"
+
+
+def replay_of(r, absolute: bool = False) -> str | None:
+    """A run's replay command for its reader: results.json's paths are relative to the report
+    folder; here relative to the working directory (or absolute)."""
+    base = r.run_dir.parent if r.run_dir else None
+    return rel_command(r.results.get("replay"), base=base, absolute=absolute) or None
 
 
 def where(report_dir: Path, newest, indexed: bool) -> str:
@@ -44,7 +49,7 @@ def run_doc(results, report_dir: Path, indexed: bool, code: int, interrupted: bo
                 "exit_code": EXIT_CODES[r.verdict],
                 "summary": r.summary,
                 "run_dir": str(r.run_dir.absolute()) if r.run_dir else None,
-                "replay": r.results.get("replay"),
+                "replay": replay_of(r, absolute=True),
                 "steps": r.results.get("steps"),
                 "time_to_detect_steps": r.results.get("time_to_detect_steps", {}),
                 "wall_s": r.results.get("wall_s"),

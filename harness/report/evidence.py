@@ -32,6 +32,38 @@ def kv_text(d: dict) -> str:
     )
 
 
+def done_counts(v: RunView, origin: str | None = None) -> dict[str, int]:
+    """What the history says was done, by plan op: requests submitted, forked (a submit with a
+    parent), next turns (a submit with turn_of) and cancelled, each an event of its own (the run's
+    metrics count the same events)."""
+    mine = [e for k in ("submit", "cancel") for e in v.by.get(k, [])]
+    out = {"submit": 0, "fork": 0, "turn": 0, "cancel": 0}
+    for e in mine:
+        if origin is None or e.get("origin") == origin:
+            op = "cancel" if e["e"] == "cancel" else "fork" if e.get("parent") else "submit"
+            out["turn" if e.get("turn_of") else op] += 1
+    return out
+
+
+DONE_WORDS = {"submit": "submitted", "fork": "forked", "turn": "next turns", "cancel": "cancelled"}
+
+
+def planned_and_done(v: RunView, actions: list[dict]) -> str:
+    """'16 submits, 2 forks, 7 cancels planned; done: 16 submitted, 0 forked, 4 cancelled': the
+    plan's actions by op, then what the history shows done of each (a cancel waits for its request's
+    phase, a fork for its parent's: one whose moment never came is planned, never done)."""
+    ops: dict[str, int] = {}
+    for a in actions:
+        ops[a["op"]] = ops.get(a["op"], 0) + 1
+    if not ops:
+        return "no actions"
+    origins = {a.get("origin") for a in actions}
+    done = done_counts(v, origins.pop() if len(origins) == 1 else None)
+    planned = ", ".join(f"{n} {op}s" for op, n in ops.items())
+    did = ", ".join(f"{done[op]} {DONE_WORDS[op]}" for op in ops if op in done)
+    return f"{planned} planned; done: {did}" if did else planned
+
+
 def trigger_section(v: RunView, fault: str | None, fv: dict) -> dict:
     cfg = v.start.get("config", {})
     cc = cfg.get("cache", {})
@@ -49,9 +81,6 @@ def trigger_section(v: RunView, fault: str | None, fv: dict) -> dict:
     )
     plan = v.start.get("plan", [])
     if fault is None:
-        ops = {}
-        for a in plan:
-            ops[a["op"]] = ops.get(a["op"], 0) + 1
         return {
             "fault": None,
             "engine": engine,
@@ -59,11 +88,12 @@ def trigger_section(v: RunView, fault: str | None, fv: dict) -> dict:
             "events": [],
             "events_total": 0,
             "description": "no fault armed for this: the workload alone ("
-            + (", ".join(f"{n} {op}s" for op, n in ops.items()) or "no actions")
+            + planned_and_done(v, plan)
             + ")",
         }
     d = v.armed.get(fault, {})
-    acts = [plan_line(a) for a in plan if a.get("origin") == fault]
+    mine = [a for a in plan if a.get("origin") == fault]
+    acts = [plan_line(a) for a in mine]
     evs = [
         e
         for e in v.by.get("fault", [])
@@ -75,7 +105,7 @@ def trigger_section(v: RunView, fault: str | None, fv: dict) -> dict:
         f"with {kv_text(d.get('params', {}))}"
     )
     if acts:
-        desc += f"; it added {len(acts)} workload actions, first: {acts[0]}"
+        desc += f"; it added workload actions ({planned_and_done(v, mine)}), first: {acts[0]}"
     if trig:
         desc += (
             f"; trigger pulled {len(trig)} times, first at step {trig[0]['step']} "

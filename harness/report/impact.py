@@ -26,23 +26,28 @@ HOW = {
     "unwritten_read": "read KV never written",
     "poisoned_read": "read KV computed from a wrong read",
 }
+# findings whose request's output was wrong: it diverged, or its attention read wrong KV
+WRONG_OUTPUT = ("divergence", "wrong_read", "unwritten_read", "poisoned_read")
+
+
+MIN_LATENCY_STEPS = 3  # decode-only steps each side of a comparison: fewer is no median
 
 
 def latency_change(v: RunView, start: int | None, signal: str) -> dict | None:
-    """Median of `signal` over decode-only steps from `start` on, against the run's own baseline
-    (decode-only steps before `start`, or the first dozen when there are too few)."""
+    """Median of `signal` over the decode-only steps from `start` on, against its median over the
+    decode-only steps before `start`: two windows that never overlap, each of at least
+    MIN_LATENCY_STEPS steps (else None: too few to compare). Steps that decode nothing (an idle
+    or starved engine) are counted apart, never in either median."""
+    if start is None:
+        return None
     dec = [
         s
         for s in v.steps
         if s.get("prefill_tokens", 0) == 0 and s.get("decode_tokens", 0) > 0 and signal in s
     ]
-    if start is None or len(dec) < 4:
-        return None
     before = [s[signal] for s in dec if s["step"] < start]
     after = [s[signal] for s in dec if s["step"] >= start]
-    if len(before) < 3:
-        before = [s[signal] for s in dec[:12]]
-    if not after or not before:
+    if min(len(before), len(after)) < MIN_LATENCY_STEPS:
         return None
     b, a = statistics.median(before), statistics.median(after)
     return {
@@ -53,6 +58,42 @@ def latency_change(v: RunView, start: int | None, signal: str) -> dict | None:
         "ratio": a / b if b > 0 else None,
         "baseline_steps": len(before),
         "after_steps": len(after),
+        # steps from `start` on left out: a prefill in them, or nothing to decode
+        "other_steps_after": sum(1 for s in v.steps if s["step"] >= start) - len(after),
+    }
+
+
+def blocks_leaked(v: RunView, findings: list[dict], planted_fv: dict) -> dict:
+    """Blocks leaked, one number (`count`): the blocks out of the pool with no live holder at the
+    end of the run when that was judged (an end_leak finding), else the blocks the leak findings
+    name. `blocks`: those named, by the requests that ended holding them; `returned`: those of
+    them back in the pool by the end. planted_fv: a planted defect's verify() (else {})."""
+    leaks = [f for f in findings if f["kind"] == "leak"]
+    named = sorted({b for f in leaks for b in f["evidence"].get("blocks", [])})
+    ends = [
+        f["evidence"]["total"] - f["evidence"]["free"]
+        for f in findings
+        if f["kind"] == "end_leak" and {"total", "free"} <= set(f["evidence"])
+    ]
+    at_end = max(ends, default=None)
+    last = v.snaps[-1] if v.snaps and at_end is not None else None
+    returned = sorted(set(named) & set(last["free"])) if last else []
+    # the end's count covers every block still out; a named block back in the pool is not in it
+    count = max(at_end, len(named) - len(returned)) if at_end is not None else len(named)
+    verified = (
+        sorted({b for x in planted_fv["leaks"] for b in x["blocks"]})
+        if "leaks" in planted_fv
+        else None
+    )
+    return {
+        "count": count,
+        "blocks": named,
+        "requests": sorted({f["evidence"]["req"] for f in leaks if "req" in f["evidence"]}),
+        "returned": returned,
+        "never_returned_at_end": at_end,
+        "fault_verify_blocks": verified,
+        "fault_verify_skipped_frees": planted_fv.get("skipped_frees") if planted_fv else None,
+        "matches_fault_verify": None if verified is None else set(verified) == set(named),
     }
 
 
@@ -60,6 +101,7 @@ def impact_of(
     v: RunView, results: dict, fault: str | None, findings: list[dict], start: int | None
 ) -> dict:
     affected: dict[str, set[str]] = {}
+    wrong: set[str] = set()  # requests whose output was wrong: diverged, or read wrong KV
     for f in findings:
         ev = f["evidence"]
         reqs = [ev[k] for k in ("req", "owner") if ev.get(k)] + list(ev.get("requests", []))
@@ -68,39 +110,20 @@ def impact_of(
         kind = "leak_ended" if f["kind"] == "leak" and not ev.get("cancel") else f["kind"]
         for r in reqs:
             affected.setdefault(r, set()).add(HOW.get(kind, f"named by {f['checker']}"))
+        if f["kind"] in WRONG_OUTPUT and ev.get("req"):
+            wrong.add(ev["req"])  # the reader, never a request that only holds the block
     for o in v.diverged:
         affected.setdefault(o["req"], set()).add(HOW["divergence"])
+        wrong.add(o["req"])
     tokens = sum(o["checked"] - o["first_divergence"] for o in v.diverged)
 
     fv = (results.get("fault_verify") or {}).get(fault, {}) if fault else {}
     # a trigger-only fault leaks nothing itself: its verify() is no yardstick for what leaked
     planted = bool(fault) and bool(v.armed.get(fault, {}).get("defect", fv.get("planted")))
-    leaks = [f for f in findings if f["kind"] == "leak"]
-    leak_found = sorted({b for f in leaks for b in f["evidence"].get("blocks", [])})
-    never_returned = max(
-        (
-            f["evidence"]["total"] - f["evidence"]["free"]
-            for f in findings
-            if f["kind"] == "end_leak" and {"total", "free"} <= set(f["evidence"])
-        ),
-        default=None,
+    leaked = blocks_leaked(v, findings, fv if planted else {})
+    leaked["trigger_only_fault"] = (
+        fault if fault and not planted and "leaks" in fv and leaked["count"] else None
     )
-    verified = (
-        sorted({b for x in fv.get("leaks", []) for b in x["blocks"]})
-        if "leaks" in fv and planted
-        else None
-    )
-    leaked = {
-        "blocks": leak_found,
-        # the blocks the evidence names; only the end-of-run count when no request is named
-        "count": len(leak_found) or never_returned or 0,
-        "requests": sorted({f["evidence"]["req"] for f in leaks if "req" in f["evidence"]}),
-        "never_returned_at_end": never_returned,
-        "fault_verify_blocks": verified,
-        "fault_verify_skipped_frees": fv.get("skipped_frees") if planted else None,
-        "matches_fault_verify": None if verified is None else set(verified) == set(leak_found),
-        "trigger_only_fault": fault if fault and not planted and "leaks" in fv else None,
-    }
 
     lat_f = next((f for f in findings if f["checker"] == "latency"), None)
     signal = lat_f["evidence"].get("signal", "host_s") if lat_f else "host_s"
@@ -130,7 +153,13 @@ def impact_of(
         manifest = "none"
         note = f"outputs stayed correct: all {len(v.oracle)} checked requests matched the oracle"
     return {
-        "requests_affected": [{"req": r, "how": sorted(h)} for r, h in sorted(affected.items())],
+        # each request once, with how; output_wrong: diverged from the oracle or read wrong KV
+        # (the others held blocks, starved, never finished: no wrong output seen)
+        "requests_affected": [
+            {"req": r, "how": sorted(h), "output_wrong": r in wrong}
+            for r, h in sorted(affected.items())
+        ],
+        "requests_output_wrong": sorted(wrong & set(affected)),
         "requests_checked": len(v.oracle),
         "requests_diverged": [o["req"] for o in v.diverged],
         "tokens_diverged": tokens,

@@ -230,7 +230,8 @@ def _summary(kind, fault, det, impact, fv, bm) -> str:
     lat = impact["latency"]
     bl = impact["blocks_leaked"]
     bits = [
-        f"requests affected: {len(impact['requests_affected'])}",
+        f"requests affected: {len(impact['requests_affected'])} "
+        f"({len(impact['requests_output_wrong'])} with a wrong output)",
         f"tokens diverged: {impact['tokens_diverged']}",
         f"blocks leaked: {bl['count']}",
     ]
@@ -373,7 +374,7 @@ def build_incidents(results: dict, events: list[dict], run_dir: Path | None = No
                 "remediation": fix,
                 "timeline": steps,
                 "reproduction": {
-                    "command": rel_command(replay),
+                    "command": rel_command(replay, base=run_dir.parent if run_dir else None),
                     "seed": results.get("seed"),
                     "commit": results.get("commit"),
                     "config_hash": results.get("config_hash"),

@@ -90,6 +90,48 @@ def _vlines(axes, m: dict, colour_of: dict) -> None:
             )
 
 
+ZOOM_BELOW = 0.6  # zoom when what happens spans less than this share of the run's steps
+
+
+def focus(v: RunView, m: dict, windows) -> dict | None:
+    """The x axis's span when the run's activity fills only part of it: the steps that computed
+    (a prefill or a decode), the plan's actions, the faults' windows and firings, the leaks
+    found, the error; None when that is most of the run. {"lo", "hi": the axis's limits, "busy":
+    the last such step, "later": detections past the span (a starvation found 200 steps on),
+    drawn outside it and named at the panel's edge}."""
+    busy = {s["step"] for s in v.steps if s.get("prefill_tokens") or s.get("decode_tokens")}
+    busy |= {e["step"] for k in ("submit", "cancel") for e in v.by.get(k, [])}
+    busy |= {x for _, a, b in windows for x in (a, b)} | set(m["fired"].values())
+    busy |= {s for s, _ in m["leaks"]} | ({m["error"]} if m["error"] is not None else set())
+    if not busy or v.last_step <= 0:
+        return None
+    first, last = min(busy), max(busy)
+    if last - first >= ZOOM_BELOW * v.last_step:
+        return None
+    pad = max(2.0, 0.05 * (last - first))
+    later = sorted(s for s in m["detected"] if s > last + pad)
+    return {"lo": max(first - pad, -0.5), "hi": last + pad, "busy": last, "later": later}
+
+
+def _zoom(axes, v: RunView, m: dict, windows) -> None:
+    span = focus(v, m, windows)
+    if span is None:
+        return
+    for ax in axes:
+        ax.set_xlim(span["lo"], span["hi"])
+    axes[-1].set_xlabel(
+        f"engine step (steps {max(0, round(span['lo']))}-{int(span['hi'])} of 0-{v.last_step} "
+        f"shown: no request computed and nothing was planned after step {span['busy']})"
+    )
+    if span["later"]:
+        text = "; ".join(
+            f"detected by {', '.join(sorted(m['detected'][s]))} at step {s}" for s in span["later"]
+        )
+        axes[0].annotate(
+            f"{text} \u2192", (1, 0.96), xycoords="axes fraction", ha="right", va="top", fontsize=8
+        )
+
+
 def plot_run(v: RunView, verify: dict, incidents=()) -> str:
     """The run's figure as a PNG data URI (report.html embeds it: no file beside it to lose)."""
     buf = io.BytesIO()
@@ -158,6 +200,7 @@ def draw(v: RunView, verify: dict, incidents=()):
             )
     _vlines((ax_lat, ax_free, ax_div), m, colour_of)
     _requests(ax_div, v, m)
+    _zoom((ax_lat, ax_free, ax_div), v, m, windows)
     for ax in (ax_lat, ax_free):  # above the panel, never over the curves
         ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1, 1), ncol=3, frameon=False)
     fig.subplots_adjust(left=0.06, right=0.99, top=0.93, bottom=0.06, hspace=0.3)

@@ -102,7 +102,7 @@ def write_reports(
         .get_template("report.html.j2")
         .render(
             r=results,
-            replay=rel_command(results.get("replay")),
+            replay=rel_command(results.get("replay"), base=Path(run_dir).parent),
             incidents=incidents,
             figure=figure,
             checks=results.get("checkers", []),

@@ -410,6 +410,7 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
     from kvchaos.harness.history.log import read_history
     from kvchaos.harness.report.analyze import analyze
     from kvchaos.harness.report.index import point_latest
+    from kvchaos.harness.run.provenance import kvchaos_version, manager_version
     from kvchaos.harness.run.runner import RunResult, git_commit, replay_command
     from kvchaos.harness.scenario.managers import REFERENCE
 
@@ -455,7 +456,9 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
         "seed": job.seed,
         "device": job.device,
         "commit": git_commit(),
+        "kvchaos_version": kvchaos_version(),
         "block_manager": job.block_manager_spec or REFERENCE,
+        "manager_version": manager_version(job.block_manager_spec),
         "tp_mode": job.tp_mode,
         "world_size": job.world_size,
         "wall_s": round(wall_s, 3),

@@ -19,8 +19,10 @@ from kvchaos.harness.check.metrics import run_metrics
 from kvchaos.harness.check.verdict import VerdictName
 from kvchaos.harness.history.log import History
 from kvchaos.harness.history.results import write_results
+from kvchaos.harness.report.paths import make_report_dir
 from kvchaos.harness.run.device import resolve_device
 from kvchaos.harness.run.live import LiveRun
+from kvchaos.harness.run.provenance import kvchaos_version, manager_version
 from kvchaos.harness.run.user_code import load_object
 from kvchaos.harness.scenario.inputs import replay_command
 from kvchaos.harness.scenario.managers import REFERENCE, reference_spec
@@ -76,6 +78,7 @@ def new_run_dir(report_dir: Path, name: str, seed: int) -> Path:
         raise ScenarioError(
             f"scenario name {name[:60]!r}: its run folder would not be in {report_dir}"
         )
+    make_report_dir(report_dir)
     d, n = base, 1
     while d.exists():
         n += 1
@@ -183,10 +186,12 @@ def run_scenario(
         "summary": v.summary,
         "exit_code": v.exit_code,
         "commit": git_commit(),
+        "kvchaos_version": kvchaos_version(),
         "config_hash": run.cfg.config_hash() if run else None,
         "device": device,
         "block_manager": block_manager_spec
         or (reference_spec(run.cfg.cache) if run else REFERENCE),
+        "manager_version": manager_version(block_manager_spec, block_manager),
         # what the manager speaks (always 2 now; 1 in folders recorded under v1, before 0.2)
         "block_manager_protocol": run.engine.protocol if run else None,
         "tp_mode": run.cfg.tp_mode if run else tp.get("tp_mode"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,17 +138,46 @@ def replay_command(
     tp: dict | None = None,
     run_dir: Path | None = None,
 ) -> str:
-    if sc.source and Path(sc.source).exists():
-        target = sc.source
-    elif (
-        run_dir is not None
-    ):  # built in memory (a fixture's dict, a soak mix): the run folder's copy
-        target = str(run_dir / "scenario.toml")
+    """The command that runs this again, as results.json records it: a built-in scenario by its
+    name; any other path (a scenario file, the run folder's scenario.toml for one built in memory,
+    a manager's file) relative to the report folder (run_dir's parent) when it lies in the folder
+    that holds the report folder, so the record stays true where the reports are copied with
+    their project. Reports show it relative to where they are read."""
+    from kvchaos.harness.scenario.spec import BUILTIN_DIR
+
+    base = run_dir.parent if run_dir is not None else None
+    src = Path(sc.source) if sc.source else None
+    if src is not None and src.exists():
+        builtin = src.resolve() == (BUILTIN_DIR / f"{src.stem}.toml").resolve()
+        target = src.stem if builtin else portable_path(src, base)
+    elif run_dir is not None:  # built in memory (a fixture's dict, a soak mix): the run's copy
+        target = portable_path(run_dir / "scenario.toml", base)
     else:
         target = sc.name
-    bm = f" --block-manager {block_manager_spec}" if block_manager_spec else ""
+    bm = f" --block-manager {portable_spec(block_manager_spec, base)}" if block_manager_spec else ""
     tp = tp or {}
     tp_flags = (f" --tp-mode {tp['tp_mode']}" if "tp_mode" in tp else "") + (
         f" --world-size {tp['tp_size']}" if "tp_size" in tp else ""
     )
-    return f"kvchaos run {target} --seed {seed} --device {device}{bm}{tp_flags}"
+    return f"kvchaos run {shlex.quote(target)} --seed {seed} --device {device}{bm}{tp_flags}"
+
+
+def portable_path(path: Path | str, base: Path | None) -> str:
+    """path relative to base (the report folder) when both lie in base's parent folder (the
+    project), else absolute."""
+    p = Path(path).absolute()
+    if base is None:
+        return str(p)
+    base = Path(base).absolute()
+    for a, b in ((p, base), (p.resolve(), base.resolve())):
+        if a.is_relative_to(b.parent):
+            return os.path.relpath(a, b)
+    return str(p)
+
+
+def portable_spec(spec: str, base: Path | None) -> str:
+    """A block manager spec; one that names a file (FILE.py:ATTR) with the file made portable."""
+    path, colon, attr = spec.rpartition(":")
+    if colon and path.endswith(".py") and Path(path).exists():
+        return shlex.quote(f"{portable_path(path, base)}:{attr}")
+    return shlex.quote(spec)

@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 
 from kvchaos.harness.check.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
-from kvchaos.harness.report.paths import report_dir_problem
+from kvchaos.harness.report.paths import make_report_dir, report_dir_problem
 from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import (
@@ -118,6 +118,7 @@ class Soak:
         report_dir = Path(args.report_dir)
         if problem := report_dir_problem(report_dir):
             raise ValueError(f"--report-dir {report_dir}: {problem}")
+        make_report_dir(report_dir)
         self.ledger_file = Path(args.ledger) if args.ledger else report_dir / "ledger.sqlite"
         ledger_base = ledger_bytes(self.ledger_file)  # only its growth counts against the cap
         self.ledger = Ledger(self.ledger_file)
