@@ -101,8 +101,9 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         try:
             check_answer(name, out, args, self.bm.num_blocks)
         except BadAnswer as e:
-            why = str(e)
-            self.judge("answers", False, lambda: f"{shown} {why}")
+            needs = PROPERTIES_V2.get(e.rule, ("-",))[0]  # a property this manager is judged on
+            why, rule = str(e), e.rule if needs is None or needs in self.caps else "answers"
+            self.judge(rule, False, lambda: f"{shown} {why}")
         self.after_call(name, args)
         return out
 
@@ -326,15 +327,12 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
             self.table.drop(seq)
             self.check_refusal(describe("admit", (seq, tokens, chunk, maxc)), before)
             return multiple()
-        if "prefix_cache" in self.caps:
-            self.judge(
-                "hit_over_cap", h <= maxc, lambda: f"admit({seq!r}, ..) answered {h} > {maxc}"
-            )
-        used = min(h, maxc)  # the engine computes the last known token whatever the answer
+        if "prefix_cache" in self.caps:  # an answer over the cap is judged as it is given
+            self.judge("hit_over_cap", True, None)
         self.extend(seq, tokens)
-        self.done[seq] = used
+        self.done[seq] = h
         self.call("the table's sync", self.table.sync, seq)
-        self.compute({seq: (used, h + min(chunk, len(tokens) - h))})
+        self.compute({seq: (h, h + min(chunk, len(tokens) - h))})
         return seq
 
     def reserve(self, seq: str, n: int):

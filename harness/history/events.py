@@ -198,6 +198,17 @@ class ForeignWrite(TypedDict):
     ranks: list[int]
 
 
+class UnslottedWrite(TypedDict):
+    e: Literal["unslotted_write"]  # positions whose KV was written with no slot reserved
+    step: int
+    req: str
+    positions: list[int]
+    ranks: list[int]
+    via: Literal["past_blocks", "unused_entry"]  # past the blocks it holds; a -1 table entry
+    slots_held: int | None  # slots its blocks give it, by this step's snapshot (None: none)
+    entry: int  # the row entry the first position was written through
+
+
 class Oracle(TypedDict):
     """A request checked against the contiguous-cache oracle; step: when it stopped producing."""
 
@@ -260,6 +271,13 @@ class SutError(_SutError, _Parent, total=False):
     how: Literal["hang", "died"]  # written by the worker's parent when the call never returned
 
 
+class DoorCall(TypedDict):
+    e: Literal["door_call"]  # a call of the check before any run (its smoke sequence)
+    step: int
+    call: str  # the call, with its arguments
+    answer: str  # what it answered, "refused: ..." or "raised ...", as text
+
+
 class RunEnd(TypedDict):
     e: Literal["run_end"]
     step: int
@@ -286,10 +304,12 @@ Event = Union[
     CacheMismatch,
     HitMismatch,
     ForeignWrite,
+    UnslottedWrite,
     Oracle,
     Reference,
     Error,
     SutError,
+    DoorCall,
     RunEnd,
 ]
 # kind -> its type
