@@ -86,6 +86,7 @@ EXITS = {
     "conformance": [
         (0, "conforms", "every applicable property passed"),
         (1, "failed", "a property failed: its shrunk reproducer is printed"),
+        (11, "FAIL", "the check before any run failed: its run folder is printed"),
     ],
 }
 EXIT_NOTES = {
@@ -241,10 +242,9 @@ def cmd_run(args) -> int:
             task = progress.add_task("running", total=len(jobs))
             batch = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # the index groups by it
             if door is not None:
-                from kvchaos.harness.report.render import publish
                 from kvchaos.harness.run.door import door_run
 
-                r = publish(door_run(door, report_dir), index=False, batch=batch)
+                r = door_run(door, report_dir, index=False, batch=batch)
                 results.append(r)
                 if live:
                     progress.console.print(f"[red]{r.verdict}[/] {escape(details(r))}")

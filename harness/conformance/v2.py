@@ -52,8 +52,20 @@ PROPERTIES_V2 = {
     **TABLE_PROPERTIES,
 }
 VOCAB = 11
+BLOCK_SIZES = (1, 2, 4)  # drawn from, for a manager that declares no block_sizes
 TEMPLATES = tuple([k] + [(i * 5 + k * 3) % VOCAB for i in range(1, 40)] for k in range(3))
 ROWS = 12  # table rows: sequences live at once
+
+
+def sized_setup(sizes: tuple[int, ...]):
+    """The machine's first rule: a pool of 8 to 24 blocks of one of these block sizes."""
+
+    @initialize(num_blocks=st.integers(8, 24), block_size=st.sampled_from(sizes))
+    @guarded()
+    def setup(self, num_blocks, block_size):
+        self.start(num_blocks, block_size)
+
+    return setup
 
 
 class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
@@ -289,9 +301,8 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
             )
 
     # -- rules -------------------------------------------------------------------------------
-    @initialize(num_blocks=st.integers(8, 24), block_size=st.sampled_from((1, 2, 4)))
-    @guarded()
-    def setup(self, num_blocks, block_size):
+    def start(self, num_blocks, block_size):
+        """The manager built on a pool of num_blocks of block_size (the setup rule's draw)."""
         self.num_blocks, self.bs = num_blocks, block_size
         args = (num_blocks, block_size, ROWS, num_blocks)
         self.bm = self.call(f"the factory{args}", type(self).factory, *args)
@@ -300,6 +311,8 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         own = "own_table" in self.caps
         self.table = OwnedTable(self.bm) if own else BuiltTable(self.bm, ROWS, num_blocks)
         self.check_snapshot()
+
+    setup = sized_setup(BLOCK_SIZES)
 
     def fits(self, tokens: int) -> bool:
         """Whether the engine would run a sequence of this many tokens (a row, the pool)."""

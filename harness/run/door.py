@@ -59,10 +59,18 @@ def door_scenario(pool: tuple) -> Scenario:
     )
 
 
-def door_run(failure: SmokeFailure, report_dir: Path | str | None) -> RunResult:
-    """The FAIL run of a manager that failed the smoke sequence: its record written (scenario.toml,
-    history.jsonl, results.json) under report_dir (None: nothing on disk). The caller publishes
-    its reports (kvchaos.harness.report.render.publish), as for any run."""
+def door_run(
+    failure: SmokeFailure, report_dir: Path | str | None, index: bool = True, batch=None
+) -> RunResult:
+    """The FAIL run of a manager that failed the smoke sequence: its record (scenario.toml,
+    history.jsonl, results.json) and its reports (incidents, report.html; index: the report
+    index too) written under report_dir (None: nothing on disk); batch: as for publish."""
+    from kvchaos.harness.report.render import publish
+
+    return publish(_recorded(failure, report_dir), index=index, batch=batch)
+
+
+def _recorded(failure: SmokeFailure, report_dir: Path | str | None) -> RunResult:
     t0 = time.perf_counter()
     sc = door_scenario(failure.pool)
     run_dir = make_run_dir(report_dir, sc, 0) if report_dir is not None else None

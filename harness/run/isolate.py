@@ -300,7 +300,9 @@ def validate_isolated(
 
     ctx = start_server()
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_validate, args=(spec, os.getcwd(), theirs), name="kvchaos-check")
+    proc = ctx.Process(
+        target=_validate, args=(spec, os.getcwd(), dict(os.environ), theirs), name="kvchaos-check"
+    )
     with _main_not_rerun():
         proc.start()
     theirs.close()
@@ -334,11 +336,16 @@ def _heard(conn, proc, timeout_s: float, what: str, flag: str = ""):
         raise ValueError(f"{what} ended the process: {_status(proc.exitcode)}") from None
 
 
-def _validate(spec: str, cwd: str, conn) -> None:
+def _validate(spec: str, cwd: str, env: dict, conn) -> None:
     from kvchaos.engine.protocols import declared_block_sizes
     from kvchaos.harness.run.user_code import SmokeFailure, load_object, validate_manager
 
     os.chdir(cwd)  # where the caller runs: a module there is importable, as in a run
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ.clear()  # the caller's environment now, as a run's worker has it
+    os.environ.update(env)
+    if seed is not None:
+        os.environ["PYTHONHASHSEED"] = seed
     try:
         load_object(spec)  # the import, first: the check's clock starts after it
         conn.send(("loaded", None))

@@ -187,21 +187,19 @@ def _read(bm, name: str):
 
 
 def _snapshot(bm, calls: list, fields=SNAPSHOT_FIELDS) -> None:
+    from kvchaos.engine.boundary import BadAnswer
+
     snap = _call(bm, calls, "snapshot")
     try:
         d = snap.to_dict()
     except Exception:
         text = f"returned {type(snap).__name__}, not a kvchaos.engine.protocols.Snapshot"
-        raise _Failed(f"snapshot() {text}", "snapshot()", (), BadSnapshot(text)) from None
+        raise _Failed(f"snapshot() {text}", "snapshot()", (), BadAnswer(text)) from None
     for name, kind in fields.items():
         if not isinstance(d.get(name), kind) or isinstance(d.get(name), bool):
             got = type(d.get(name)).__name__ if name in d else "nothing"
             text = f"field {name} is {got}, not {kind.__name__}"
-            raise _Failed(f"snapshot() {text}", "snapshot()", (), BadSnapshot(text))
-
-
-class BadSnapshot(ValueError):
-    """snapshot() answered what is not a Snapshot of the protocol's shape."""
+            raise _Failed(f"snapshot() {text}", "snapshot()", (), BadAnswer(text))
 
 
 MEMBERS = (
