@@ -64,12 +64,17 @@ def test_a_manager_failing_the_check_is_a_fail_run_exit_11(
     assert_fail_run(door_folder(tmp_path), said)
 
 
-def test_in_process_too(tmp_path, monkeypatch, capsys):
+def test_in_process_too_and_its_replay_checks_again(tmp_path, monkeypatch, capsys):
+    from kvchaos.harness.tools.replay import replay
+
     monkeypatch.chdir(TESTS)
     argv = ["run", "baseline-clean", "--seed", "0", "--report-dir", str(tmp_path), "--in-process"]
     assert main([*argv, "--block-manager", "door_managers:DoubleFreeOnAbort"]) == 11
-    assert_fail_run(door_folder(tmp_path), FAILS[0][1])
+    run = door_folder(tmp_path)
+    assert_fail_run(run, FAILS[0][1])
     assert "FAIL" in capsys.readouterr().out
+    again = replay(run, isolated=False)
+    assert again["identical"] and again["replay_verdict"] == "FAIL", again
 
 
 def test_the_failure_crosses_from_the_checking_worker_whole(monkeypatch):

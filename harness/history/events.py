@@ -278,7 +278,7 @@ class DoorCall(TypedDict):
     answer: str  # what it answered, "refused: ..." or "raised ...", as text
 
 
-class RunEnd(TypedDict):
+class _RunEnd(TypedDict):
     e: Literal["run_end"]
     step: int
     reason: EndReason
@@ -286,7 +286,10 @@ class RunEnd(TypedDict):
     manager_calls: dict[str, Any]
     fault_verify: dict[str, Any]
     telemetry: dict[str, Any]
-    kv_record: dict[str, Any]
+
+
+class RunEnd(_RunEnd, total=False):
+    kv_record: dict[str, Any]  # with a manager offering a prefix cache (the writer record)
 
 
 Event = Union[

@@ -116,7 +116,6 @@ def _recorded(failure: SmokeFailure, report_dir: Path | str | None) -> RunResult
             "manager_calls": dict(sorted(made.items())),
             "fault_verify": {},
             "telemetry": {},
-            "kv_record": {},
         }
     )
     history.close()
