@@ -123,15 +123,25 @@ class BatchBuilder:
             report(r, reads, list(zip(seqs, pos, tok, slots.tolist())))
 
     def _record_writes(self, decode, prefill, slots_by_rank: list[torch.Tensor]) -> None:
-        """The blocks each rank's writes land in, by sequence (the harness's record)."""
+        """The blocks each rank's writes land in, by sequence, the positions each sequence wrote
+        (first, end), and each write through an unused entry: (sequence, position, rank). The
+        harness's record."""
         nb, bs = self.kv_pools[0].shape[2:4]  # the pool as sized (no call into the manager)
         ids = [s.id for s in decode] + [s.id for s, n in prefill for _ in range(n)]
-        written = self.written = {}
+        spans = {s.id: (s.num_computed, s.num_computed + 1) for s in decode}
+        spans.update((s.id, (s.num_computed, s.num_computed + n)) for s, n in prefill)
+        written, self.write_spans, self.unslotted = {}, spans, []
+        self.written = written
         for rank, slots in enumerate(slots_by_rank):
+            blocks = (slots // bs).tolist()
             # a chunk's tokens run in one block at a time: one entry per run
-            for (seq_id, block), _ in groupby(zip(ids, (slots // bs).tolist())):
+            for (seq_id, block), _ in groupby(zip(ids, blocks)):
                 # an unused entry (-1) lands in the last block
                 written.setdefault(seq_id, {}).setdefault(block % nb, set()).add(rank)
+            if blocks and min(blocks) < 0:
+                pos = [s.num_computed for s in decode]
+                pos += [p for s, n in prefill for p in range(s.num_computed, s.num_computed + n)]
+                self.unslotted += [(q, p, rank) for q, p, b in zip(ids, pos, blocks) if b < 0]
 
     def _arange(self, n: int) -> torch.Tensor:
         """torch.arange(n) on the engine's device, cached (a view of a longer one)."""

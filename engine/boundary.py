@@ -9,10 +9,12 @@ ManagerError (BadAnswer) like an exception."""
 
 from __future__ import annotations
 
+import copy
 import time
 import traceback
 
 from kvchaos.engine.errors import KVChaosError, OutOfBlocks
+from kvchaos.engine.protocols import Snapshot
 
 CALLS = (
     "admit",
@@ -33,7 +35,12 @@ LOW_POOL_BLOCKS = 16  # at or below this many free blocks a refusal is plausible
 
 
 class BadAnswer(ValueError):
-    """A call into the block manager returned, but not an answer the protocol allows."""
+    """A call into the block manager returned, but not an answer the protocol allows. rule: the
+    conformance property it breaks, when one names it (else "answers")."""
+
+    def __init__(self, message: str, rule: str = "answers") -> None:
+        super().__init__(message)
+        self.rule = rule
 
 
 class ManagerError(KVChaosError):
@@ -85,9 +92,15 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_admit(h, pool: int, seq_id, token_ids, *_) -> None:
+def _check_admit(h, pool: int, seq_id, token_ids, num_new_tokens=None, max_computed=None) -> None:
     if not _int(h) or not 0 <= h <= len(token_ids):
         raise BadAnswer(f"answered {h!r}: computed tokens must be an int in [0, {len(token_ids)}]")
+    if _int(max_computed) and h > max_computed:  # the engine computes what it asked for
+        raise BadAnswer(
+            f"answered {h}: more computed tokens than max_computed {max_computed} "
+            "(the tokens from max_computed on are the engine's to compute)",
+            rule="hit_over_cap",
+        )
 
 
 def _in_pool(ids, pool: int) -> bool:
@@ -148,6 +161,25 @@ def logged(x):
     return repr(x)
 
 
+def copied(snap):
+    """A snapshot in lists and dicts of its own, as the manager gave it at the call: a manager may
+    hand out its live state (its free list, its dicts), which its next call changes, while the
+    harness keeps what it was told. Anything but a Snapshot is left as it is, for the checks."""
+    if not isinstance(snap, Snapshot):
+        return snap
+    out = copy.copy(snap)
+    out.__dict__.update((k, _own(v)) for k, v in snap.__dict__.items())
+    return out
+
+
+def _own(v):
+    if isinstance(v, list):  # lists of ints at C speed; lists of lists or dicts (cache) deeper
+        return [_own(x) for x in v] if v and isinstance(v[0], (list, dict)) else list(v)
+    if isinstance(v, dict):
+        return {k: _own(x) if isinstance(x, (list, dict)) else x for k, x in v.items()}
+    return v
+
+
 def describe(call: str, args: tuple) -> str:
     shown = ", ".join(repr(a) if not isinstance(a, list) or len(a) < 9 else "[...]" for a in args)
     return f"{call}({shown})"
@@ -181,6 +213,9 @@ class Boundary:
         for name in CALLS:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
+        if hasattr(manager, "snapshot"):  # kept by the harness: copied at the call
+            guarded = self.snapshot
+            object.__setattr__(self, "snapshot", lambda: copied(guarded()))
         # answers are checked against the pool it sized (the KV pool is allocated by num_blocks)
         object.__setattr__(self, "sized_blocks", self._read("num_blocks"))
 
@@ -261,7 +296,7 @@ class Boundary:
         free = m.num_free_blocks
         if self.refusals or free <= max(LOW_POOL_BLOCKS, m.num_blocks // 8):
             t = time.perf_counter()
-            snap = m.snapshot()
+            snap = copied(m.snapshot())  # a live one would follow the call it is to judge
             self.snapshot_s[0] += time.perf_counter() - t
             return free, snap
         return free, None

@@ -85,6 +85,8 @@ class Engine(BatchBuilder):
         self._estimates = "estimates" in self.capabilities
         self.record_writes = False  # the harness asks: blocks written per sequence, each step
         self.written: dict[str, dict[int, set[int]]] = {}  # seq -> block -> ranks writing it
+        self.write_spans: dict[str, tuple[int, int]] = {}  # seq -> positions written [a, b)
+        self.unslotted: list[tuple[str, int, int]] = []  # (seq, position, rank) via a -1 entry
         self.seams = Seams()
         self.watermark_blocks = int(cc.watermark * self.bm.num_blocks)
         self.decode_attention = decode_backend(config.resolved_backend())
@@ -132,7 +134,8 @@ class Engine(BatchBuilder):
                 admissions=0,
                 known_tokens=0,  # tokens known at admission (prompt; + output on readmission)
                 hit_tokens=0,  # ... of which served from the prefix cache, not computed
-                hits_capped=0,  # answers over the cap (the last known token is always computed)
+                # answers over the cap: none run (the boundary's ManagerError); kept in the record
+                hits_capped=0,
             )
 
     # -- requests ------------------------------------------------------------------------

@@ -80,6 +80,21 @@ def protocol_version(manager) -> int:
     return 2 if isinstance(v, int) and not isinstance(v, bool) and v >= 2 else 1
 
 
+def declared_block_sizes(manager) -> tuple[int, ...] | None:
+    """The block sizes a manager (or its class, or factory) declares it supports (`block_sizes`,
+    optional; None: any). ValueError when the declaration is not positive ints."""
+    sizes = getattr(manager, "block_sizes", None)
+    if sizes is None:
+        return None
+    if (
+        not isinstance(sizes, (tuple, list, frozenset, set, range))
+        or not sizes
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes)
+    ):
+        raise ValueError(f"block_sizes is {sizes!r}, not a tuple of positive ints")
+    return tuple(sorted(sizes))
+
+
 def capabilities(manager) -> frozenset[str]:
     """What a manager offers beyond the core protocol: declared, or inferred from what it has."""
     declared = getattr(manager, "capabilities", None)
@@ -128,8 +143,9 @@ class KVManager(Protocol):
 
 
 # The optional members of a v2 manager, one protocol per capability it may infer from. Also
-# optional, not inferred: `reserved_blocks: tuple[int, ...]` (ids never handed out, vLLM's (0,))
-# and `capabilities: frozenset[str]`.
+# optional, not inferred: `reserved_blocks: tuple[int, ...]` (ids never handed out, vLLM's (0,)),
+# `block_sizes: tuple[int, ...]` (the block sizes it supports, on its class: read before it is
+# built) and `capabilities: frozenset[str]`.
 @runtime_checkable
 class Estimates(Protocol):  # "estimates": for sequences the manager knows only
     def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int: ...

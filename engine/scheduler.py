@@ -149,13 +149,14 @@ class Scheduler:
                 if not s.holds:  # admission: the manager answers the tokens it has computed already
                     table.place(s.id)
                     known = s.tokens
-                    h = bm.admit(s.id, known, n, len(known) - 1)  # the boundary validates the int
-                    used = min(h, len(known) - 1)  # the last known token is computed (its logits)
+                    # the last known token is computed (its logits): the boundary refuses an
+                    # answer over max_computed as the manager's error
+                    h = bm.admit(s.id, known, n, len(known) - 1)
                     have = h + min(n, len(known) - h)  # slots the manager now has
-                    s.holds, s.num_computed, s.hit_tokens = True, used, used
-                    engine.admitted(s, len(known), h, used)
+                    s.holds, s.num_computed, s.hit_tokens = True, h, h
+                    engine.admitted(s, len(known), h, h)
                     table.sync(s.id)
-                    ran.append((s, have - used))  # capped: recompute [used, h)
+                    ran.append((s, have - h))
                 else:
                     got = bm.append(s.id, s.tokens[s.num_computed : s.num_computed + n])
                     table.sync(s.id, copied=bool(got))

@@ -96,7 +96,7 @@ class OrderingRace(Fault):
         if finding["checker"] == "cross_rank":
             at = {x["step"]: set(x["ranks"]) for x in stale}
             return "cause" if at.get(finding["step"], set()) & set(ev.get("ranks", [])) else None
-        if finding.get("kind") == "foreign_write":  # written by a rank that was stale then
+        if finding.get("kind") in ("foreign_write", "unslotted_write"):  # by a rank stale then
             x = next((x for x in stale if x["step"] == finding["step"]), None)
             stray = x and set(ev.get("ranks", x["ranks"])) & set(x["ranks"])
             return "cause" if stray and ev.get("req") in x["requests"] else None

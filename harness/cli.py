@@ -99,6 +99,7 @@ EXITS = {
     "conformance": [
         (0, "conforms", "every applicable property passed"),
         (1, "failed", "a property failed: its shrunk reproducer is printed"),
+        (11, "FAIL", "the check before any run failed: its run folder is printed"),
     ],
 }
 EXIT_NOTES = {
@@ -203,9 +204,10 @@ def cmd_run(args) -> int:
 
     from kvchaos.engine.cluster import Cluster, external_launch
     from kvchaos.engine.follower import serve
+    from kvchaos.engine.protocols import declared_block_sizes
     from kvchaos.harness.report.paths import report_dir_problem
     from kvchaos.harness.run.device import resolve_device
-    from kvchaos.harness.run.user_code import validate_manager
+    from kvchaos.harness.run.user_code import SmokeFailure, supported, validate_manager
 
     if args.tp_mode == "distributed" and external_launch() and int(os.environ["RANK"]) > 0:
         return serve()  # under torchrun, ranks > 0 serve rank 0's runs
@@ -219,11 +221,16 @@ def cmd_run(args) -> int:
     inputs.check_overrides(scs, device, args.tp_mode, args.world_size)
     if problem := report_dir_problem(args.report_dir):
         raise KVChaosError(f"--report-dir {args.report_dir}: {problem}")
-    if args.block_manager:  # a bad --block-manager is bad input (exit 2), not an ERROR per run
-        if isolated:
-            isolate.validate_isolated(args.block_manager)
-        else:
-            validate_manager(args.block_manager)
+    door = None  # a manager failing its check before any run: one FAIL run, nothing else runs
+    if args.block_manager:  # what is not a manager is bad input (exit 2), not an ERROR per run
+        try:
+            if isolated:
+                sizes = isolate.validate_isolated(args.block_manager, args.check_timeout)
+            else:
+                sizes = declared_block_sizes(validate_manager(args.block_manager))
+            scs = supported(scs, sizes, args.block_manager, bool(args.scenarios))
+        except SmokeFailure as failed:
+            door, scs = failed, []
     jobs = [(s, seed) for s in scs for seed in (seeds or s.scenario.seeds)]
     report_dir = Path(args.report_dir)
     # a bar on a terminal; in a log, one plain line per run (stderr under --format json)
@@ -247,6 +254,15 @@ def cmd_run(args) -> int:
         ):
             task = progress.add_task("running", total=len(jobs))
             batch = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # the index groups by it
+            if door is not None:
+                from kvchaos.harness.run.door import door_run
+
+                r = door_run(door, report_dir, index=False, batch=batch)
+                results.append(r)
+                if live:
+                    progress.console.print(f"[red]{r.verdict}[/] {escape(details(r))}")
+                elif log is not None:
+                    print(f"[1/1] {r.verdict}: {details(r)}", file=log)
             for i, (sc, seed) in enumerate(jobs, 1):
                 progress.update(task, description=escape(f"{sc.name} seed {seed}"))
                 t0 = time.perf_counter()
@@ -402,6 +418,7 @@ def build_parser(load=None) -> argparse.ArgumentParser:
         "--tag", action="append", help="only scenarios with this tag or marker (repeatable)"
     )
     options.add(run, "timeout", default=options.DEFAULT_TIMEOUT_S)
+    options.add(run, "check_timeout", default=options.DEFAULT_CHECK_TIMEOUT_S)
     run.add_argument(
         "--in-process",
         action="store_true",

@@ -69,13 +69,22 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     _check_flags(config)
     spec = config.getoption("--kvchaos-block-manager", None)
-    if spec:  # a bad spec is one usage error, not an ERROR on every item
+    if spec:  # what is not a manager is one usage error, not an ERROR on every item
+        from kvchaos.engine.protocols import declared_block_sizes
         from kvchaos.harness.run.isolate import in_process_reason, validate_isolated
-        from kvchaos.harness.run.user_code import validate_manager
+        from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 
         isolated = not config.getoption("--kvchaos-in-process") and in_process_reason() is None
+        limit = config.getoption("--kvchaos-check-timeout", None)
+        limit = options.DEFAULT_CHECK_TIMEOUT_S if limit is None else limit
         try:
-            (validate_isolated if isolated else validate_manager)(spec)
+            config._kvchaos_block_sizes = (
+                validate_isolated(spec, limit)
+                if isolated
+                else declared_block_sizes(validate_manager(spec))
+            )
+        except SmokeFailure as e:  # a manager with a bug: one FAIL item, its run (DoorItem)
+            config._kvchaos_door = e
         except ValueError as e:
             raise pytest.UsageError(f"--kvchaos-block-manager: {e}") from None
 
@@ -85,7 +94,12 @@ def _check_flags(config) -> None:
     imported only when such a flag is given: a session without them imports nothing heavy)."""
     given = {
         name: value
-        for name in ("--kvchaos-seeds", "--kvchaos-device", "--kvchaos-timeout")
+        for name in (
+            "--kvchaos-seeds",
+            "--kvchaos-device",
+            "--kvchaos-timeout",
+            "--kvchaos-check-timeout",
+        )
         if (value := config.getoption(name, None)) not in (None, "cpu")
     }
     if not given:
@@ -97,6 +111,7 @@ def _check_flags(config) -> None:
         "--kvchaos-seeds": lambda v: inputs.parse_seeds(None, v),
         "--kvchaos-device": inputs.device,
         "--kvchaos-timeout": lambda v: inputs.seconds(str(v)),
+        "--kvchaos-check-timeout": lambda v: inputs.seconds(str(v)),
     }
     for name, value in given.items():
         try:
@@ -189,7 +204,10 @@ def pytest_collect_file(file_path: Path, parent):
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: they apply to these items too
 def pytest_collection_modifyitems(session, config, items) -> None:
     spec = config.getoption("--kvchaos-block-manager")
-    if spec:  # the conformance suite for that manager: one item a property
+    door = getattr(config, "_kvchaos_door", None)
+    if door is not None:  # its check before any run failed: that run, in place of conformance
+        items.append(DoorItem.from_parent(session, name="check", nodeid="kvchaos-door::check"))
+    elif spec:  # the conformance suite for that manager: one item a property
         from kvchaos.harness.conformance.suite import conformance_items
 
         items.extend(conformance_items(session, spec))
@@ -242,6 +260,12 @@ class ScenarioItem(pytest.Item):
         from kvchaos.harness.run import isolate
 
         cfg = self.config
+        if getattr(cfg, "_kvchaos_door", None) is not None:
+            pytest.skip("the block manager failed the check before any run: kvchaos-door::check")
+        sizes = getattr(cfg, "_kvchaos_block_sizes", None)
+        bs = self.scenario.engine_config().cache.block_size
+        if sizes is not None and bs not in sizes:
+            pytest.skip(f"not applicable: block_size {bs}; the block manager supports {sizes}")
         isolated = not cfg.getoption("--kvchaos-in-process")
         if isolated:
             isolate.start_server()  # imports in the background: once a session (and xdist worker)
@@ -262,10 +286,7 @@ class ScenarioItem(pytest.Item):
             block_manager_spec=cfg.getoption("--kvchaos-block-manager"),
             timeout_s=options.DEFAULT_TIMEOUT_S if timeout is None else timeout,
         )
-        if not hasattr(self.config, "_kvchaos_runs"):
-            self.config._kvchaos_runs = []
-        self.config._kvchaos_runs.append(r.run_dir)
-        self.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
+        _kept(self, r)
         if r.results.get("reason") == "interrupted":  # Ctrl-C stops the session, not just this run
             raise KeyboardInterrupt
         if r.verdict != "PASS":
@@ -288,6 +309,33 @@ class ScenarioItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, None, f"kvchaos {self.scenario.name} seed={self.seed}"
+
+
+def _kept(item, r) -> None:
+    """A run an item made: in the session's list (the index) and the item's properties."""
+    if not hasattr(item.config, "_kvchaos_runs"):
+        item.config._kvchaos_runs = []
+    item.config._kvchaos_runs.append(r.run_dir)
+    item.user_properties += [("verdict", r.verdict), ("run_dir", str(r.run_dir))]
+
+
+class DoorItem(pytest.Item):
+    """The FAIL run of a --kvchaos-block-manager that failed the check before any run (a smoke
+    call raised or answered what the protocol does not allow): recorded as any run is."""
+
+    def runtest(self) -> None:
+        from kvchaos.harness.run.door import door_run
+
+        cfg = self.config
+        r = door_run(cfg._kvchaos_door, _report_dir(cfg), index=False, batch=_batch(cfg))
+        _kept(self, r)
+        raise ScenarioFailure(r)
+
+    repr_failure = ScenarioItem.repr_failure
+
+    def reportinfo(self):
+        spec = self.config.getoption("--kvchaos-block-manager")
+        return self.path, None, f"kvchaos check before any run of {spec}"
 
 
 @pytest.fixture

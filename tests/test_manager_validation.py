@@ -7,6 +7,7 @@ it refuses becomes a fresh request."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,14 +134,19 @@ BAD = [
     ("bm_syntax:BM", "importing bm_syntax raised SyntaxError"),
     ("bm_raises:BM", "importing bm_raises raised RuntimeError: import-time boom"),
     ("bm_needs_dep:BM", "importing bm_needs_dep raised ModuleNotFoundError: No module named"),
-    ("bm_wrong:DictCopies", "append('smoke-a', [6]) answered {}: copies must be a list of"),
-    ("bm_wrong:ForkCrashes", "fork('smoke-a', 'smoke-b') raised IndexError"),
     ("bm_nosuch:BM", "cannot import bm_nosuch"),
     ("bm_v2:OnlyDeclares", "declares kvchaos_protocol = 2 but lacks block_size, num_blocks, num"),
+    ("bm_v2:ReservesOutsideThePool", "reserved_blocks is (8,), not a tuple of block ids in [0, 8)"),
+]
+
+
+# managers with a bug the smoke sequence meets: a FAIL run (exit 11), not bad input
+SMOKE_FAILS = [
+    ("bm_wrong:DictCopies", "append('smoke-a', [6]) answered {}: copies must be a list of"),
+    ("bm_wrong:ForkCrashes", "fork('smoke-a', 'smoke-b') raised IndexError"),
     ("bm_v2:AnswersTooMuch", "admit('smoke-a', [1, 2, 3, 4, 5], 5, 4) answered 6: computed token"),
     ("bm_v2:ReleaseSaysNothing", "release('smoke-a', 'finished') answered None: release answers"),
     ("bm_v2:EndStepCrashes", "end_step({'smoke-a': 5}) raised KeyError: 'smoke-z'"),
-    ("bm_v2:ReservesOutsideThePool", "reserved_blocks is (8,), not a tuple of block ids in [0, 8)"),
     ("bm_v2:SnapshotWithoutBlocks", "snapshot() field seq_blocks is nothing, not dict"),
 ]
 
@@ -164,6 +170,16 @@ def test_a_bad_block_manager_is_one_line_and_exit_2_before_any_run(capsys, user_
     assert rc == 2 and out == "", out
     assert err.startswith("kvchaos: error: ") and err.count("\n") == 1 and message in err, err
     assert "Traceback" not in err and not (user_dir / "r").exists()
+
+
+@pytest.mark.parametrize("spec, message", SMOKE_FAILS, ids=[s for s, _ in SMOKE_FAILS])
+def test_a_manager_failing_the_smoke_sequence_is_a_fail_run(capsys, user_dir, spec, message):
+    rc = main(["run", "baseline-clean", "--block-manager", spec, "--report-dir", "r", "-q"])
+    out, err = capsys.readouterr()
+    assert rc == 11 and err == "", err
+    (run,) = [p for p in (user_dir / "r").iterdir() if p.is_dir() and not p.is_symlink()]
+    results = json.loads((run / "results.json").read_text())
+    assert results["verdict"] == "FAIL" and message in results["summary"], results["summary"]
 
 
 NOT_V2 = (  # the whole line, after the spec

@@ -1,7 +1,7 @@
 """The engine with the reference prefix cache (cache.prefix_caching): a hit's positions are read
 from the cache, never recomputed, and the outputs equal those of the engine that recomputes
 everything; the last prompt token is always computed; a readmission hits its own blocks; LRU
-eviction and revival; an answer over the cap is capped and counted."""
+eviction and revival; an answer over the cap is the manager's error, naming the call."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from tiny_model import tiny_model
 
 from kvchaos.engine import CacheConfig, Engine, EngineConfig
+from kvchaos.engine.boundary import ManagerError
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 
 BS = 4
@@ -104,14 +105,15 @@ class OverAnswering(PrefixCachingManager):
         return super().admit(seq_id, token_ids, num_new_tokens, len(token_ids))
 
 
-def test_an_answer_over_the_cap_is_capped_and_counted():
+def test_an_answer_over_the_cap_is_the_managers_error():
     cfg = config(True)
     eng = Engine(cfg, OverAnswering(cfg.cache.num_blocks, BS))
-    plain = Engine(config(False))
-    reqs = [("a", PROMPT[:8]), ("b", PROMPT[:8])]
-    got, want = serve(eng, reqs), serve(plain, reqs)
-    assert got["b"][0] == want["b"][0]
-    assert eng.counters["hits_capped"] == 1 and got["b"][1] == 1  # only the last token
+    serve(eng, [("a", PROMPT[:8])])
+    with pytest.raises(ManagerError) as caught:  # the whole prompt cached: it answers 8 > 7
+        serve(eng, [("b", PROMPT[:8])])
+    assert caught.value.call == "admit" and caught.value.error.rule == "hit_over_cap"
+    assert str(caught.value).startswith("admit('b', [7, 3, 9, 1, 4, 4, 2, 8], 8, 7) answered 8:")
+    assert eng.counters["hits_capped"] == 0 and not eng.seqs["b"].holds
 
 
 def test_prefix_caching_is_on_by_default_and_in_the_config_hash():

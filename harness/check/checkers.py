@@ -152,7 +152,8 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                         kind="foreign_block",
                     )
                 )
-    return judged_result("table_integrity", found + _foreign_writes(events), snaps)
+    found += _foreign_writes(events) + _unslotted_writes(events)
+    return judged_result("table_integrity", found, snaps)
 
 
 def _foreign_writes(events: list[dict]) -> list[Finding]:
@@ -176,6 +177,34 @@ def _foreign_writes(events: list[dict]) -> list[Finding]:
         )
         for e in of_kind(events, "foreign_write")
     ]
+
+
+def _unslotted_writes(events: list[dict]) -> list[Finding]:
+    """Positions written with no slot reserved for them (the engine's slot mapping against the
+    blocks the sequence holds): their KV went to a block someone else may hold."""
+    out = []
+    for e in of_kind(events, "unslotted_write"):
+        pos, n, ranks = e["positions"][0], len(e["positions"]), e["ranks"]
+        more = f" (+{n - 1} more positions)" if n > 1 else ""
+        how = (
+            f"it holds slots for {e['slots_held']} tokens (written through entry {e['entry']} "
+            "of its row)"
+            if e["via"] == "past_blocks"
+            else f"entry {e['entry']} of its row is unused (-1), so its KV landed in the pool's "
+            "last block"
+        )
+        out.append(
+            Finding(
+                checker="table_integrity",
+                step=e["step"],
+                message=f"request {e['req']} wrote position {pos}{more} with no slot reserved: "
+                f"{how} (rank {', '.join(map(str, ranks))})",
+                evidence={k: e[k] for k in ("req", "positions", "ranks", "via", "slots_held")},
+                manifest=False,
+                kind="unslotted_write",
+            )
+        )
+    return out
 
 
 def check_cross_rank(events: list[dict]) -> CheckResult:

@@ -56,7 +56,8 @@ def _call_failure(e: dict) -> Finding:
             manifest=None,
             kind=e["how"],
         )
-    message = f"{e['call']} raised {e['error']}: {e['message']}"
+    said = "" if e["error"] == "BadAnswer" else f"raised {e['error']}: "  # it returned, wrongly
+    message = f"{e['call']} {said}{e['message']}"
     return Finding(
         checker="manager_calls",
         step=e["step"],

@@ -15,7 +15,12 @@ history of steps and printed. The same seed gives the same result. The same test
 under pytest: `pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a
 property.
 
-Exit codes: 0 every applicable property passed, 1 one failed, 2 bad input."""
+A manager that fails the check before any run (a smoke call raises or answers what the
+protocol does not allow) is not tested further: its FAIL run is recorded under --report-dir, as
+`kvchaos run` records it, and the command exits 11.
+
+Exit codes: 0 every applicable property passed, 1 one failed, 11 the check before any run
+failed, 2 bad input."""
 
 from __future__ import annotations
 
@@ -33,13 +38,15 @@ from hypothesis import seed as use_seed
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvchaos.engine.protocols import capabilities
+from kvchaos.engine.protocols import capabilities, declared_block_sizes
 from kvchaos.harness.conformance.common import Violation
-from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2
-from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2, sized_setup
+from kvchaos.harness.run.door import door_run
+from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 from kvchaos.harness.scenario import options
 
 EXIT_FAILED = 1
+EXIT_DOOR_FAILED = 11  # kvchaos run's FAIL: the check before any run recorded a bug
 EXAMPLES, STEPS = 200, 30  # 200 histories of 30 steps: ~2 s on the reference
 SHRINK_STEPS = 500  # histories run while shrinking a failure: 5-30 s for the canaries
 
@@ -113,7 +120,8 @@ def run_conformance(
     the steps that show it, shrunk in at most shrink_steps histories) or not applicable. Runs the
     machine again without each property that failed, until the rest pass. The same arguments give
     the same results."""
-    caps = capabilities(factory(16, 4, 4, 8))
+    sizes = declared_block_sizes(factory)  # a manager's own, else the machine's (1, 2, 4)
+    caps = capabilities(factory(16, 4 if sizes is None or 4 in sizes else sizes[0], 4, 8))
     props = PROPERTIES_V2
     judged = {p for p, (need, _) in props.items() if need is None or need in caps}
     tally: Counter = Counter()
@@ -131,7 +139,8 @@ def run_conformance(
         machine = type(
             "BlockManagerConformance",
             (ConformanceMachineV2,),
-            {"factory": factory, "enabled": frozenset(judged - set(failed)), "tally": tally},
+            {"factory": factory, "enabled": frozenset(judged - set(failed)), "tally": tally}
+            | ({"setup": sized_setup(sizes)} if sizes else {}),
         )
         said: list[str] = []  # Hypothesis's reports (the steps come as the error's notes)
         try:
@@ -222,6 +231,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"the same seed, the same reproducer (default {SHRINK_STEPS})",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    options.add(
+        p,
+        "report_dir",
+        default=options.DEFAULT_REPORT_DIR,
+        lead="where the run of a manager failing the check before any run goes",
+    )
 
 
 @contextmanager
@@ -243,7 +258,12 @@ def main(args) -> int:
     for flag, value in (*counts, ("--shrink-steps", args.shrink_steps)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
-    factory = validate_manager(args.block_manager)
+    try:
+        factory = validate_manager(args.block_manager)
+    except SmokeFailure as failed:
+        r = door_run(failed, Path(args.report_dir))
+        print(f"{r.verdict}: {r.summary}\nrun folder: {r.run_dir}\nreplay: {r.results['replay']}")
+        return EXIT_DOOR_FAILED
     with _hypothesis_home():
         results = run_conformance(factory, args.examples, args.seed, args.steps, args.shrink_steps)
     failed = any(r.status == "failed" for r in results)

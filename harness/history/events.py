@@ -209,6 +209,17 @@ class ForeignWrite(TypedDict):
     ranks: list[int]
 
 
+class UnslottedWrite(TypedDict):
+    e: Literal["unslotted_write"]  # positions whose KV was written with no slot reserved
+    step: int
+    req: str
+    positions: list[int]
+    ranks: list[int]
+    via: Literal["past_blocks", "unused_entry"]  # past the blocks it holds; a -1 table entry
+    slots_held: int | None  # slots its blocks give it, by this step's snapshot (None: none)
+    entry: int  # the row entry the first position was written through
+
+
 class Oracle(TypedDict):
     """A request checked against the contiguous-cache oracle; step: when it stopped producing."""
 
@@ -271,7 +282,14 @@ class SutError(_SutError, _Parent, total=False):
     how: Literal["hang", "died"]  # written by the worker's parent when the call never returned
 
 
-class RunEnd(TypedDict):
+class DoorCall(TypedDict):
+    e: Literal["door_call"]  # a call of the check before any run (its smoke sequence)
+    step: int
+    call: str  # the call, with its arguments
+    answer: str  # what it answered, "refused: ..." or "raised ...", as text
+
+
+class _RunEnd(TypedDict):
     e: Literal["run_end"]
     step: int
     reason: EndReason
@@ -279,7 +297,10 @@ class RunEnd(TypedDict):
     manager_calls: dict[str, Any]
     fault_verify: dict[str, Any]
     telemetry: dict[str, Any]
-    kv_record: dict[str, Any]
+
+
+class RunEnd(_RunEnd, total=False):
+    kv_record: dict[str, Any]  # with a manager offering a prefix cache (the writer record)
 
 
 Event = Union[
@@ -298,10 +319,12 @@ Event = Union[
     CacheMismatch,
     HitMismatch,
     ForeignWrite,
+    UnslottedWrite,
     Oracle,
     Reference,
     Error,
     SutError,
+    DoorCall,
     RunEnd,
 ]
 # kind -> its type

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchaos.harness.history.results import write_results
-from kvchaos.harness.scenario.options import DEFAULT_TIMEOUT_S
+from kvchaos.harness.scenario.options import DEFAULT_CHECK_TIMEOUT_S, DEFAULT_TIMEOUT_S
 
 STOP_GRACE_S = 3.0  # after SIGUSR1, before SIGKILL
 REPORT_LIMIT_S = 120.0  # once the run's record is written: for its reports
-VALIDATE_TIMEOUT_S = 60.0  # the block manager's check before any run (a tiny pool)
+IMPORT_TIMEOUT_S = 600.0  # ... and its import (vLLM's takes half a minute on a loaded machine)
 INTERRUPT_GRACE_S = 30.0  # after Ctrl-C: for the worker to record the run as interrupted
 WAIT_TICK_S = 0.5  # how often on_wait is called while a worker runs
 HASH_SEED = "0"
@@ -286,32 +286,37 @@ def run_isolated(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def validate_isolated(spec: str, timeout_s: float = VALIDATE_TIMEOUT_S) -> None:
+def validate_isolated(
+    spec: str,
+    timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
+    import_timeout_s: float = IMPORT_TIMEOUT_S,
+) -> tuple[int, ...] | None:
     """user_code.validate_manager(spec) in a fresh worker: a manager that hangs or ends the
     process in its smoke sequence is bad input (ValueError, one line), not a hung or dead
-    kvchaos."""
+    kvchaos; one whose smoke call raises or answers wrongly, SmokeFailure (its FAIL run is the
+    caller's: harness/run/door.py). timeout_s bounds the check once the manager's module is
+    imported; the import has its own bound. Returns the block sizes it declares (None: any)."""
+    from kvchaos.harness.run.user_code import SmokeFailure
+
     ctx = start_server()
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_validate, args=(spec, os.getcwd(), theirs), name="kvchaos-check")
+    proc = ctx.Process(
+        target=_validate, args=(spec, os.getcwd(), dict(os.environ), theirs), name="kvchaos-check"
+    )
     with _main_not_rerun():
         proc.start()
     theirs.close()
+    check = "the check before any run (a smoke sequence on a tiny pool)"
     try:
-        if not ours.poll(timeout_s):
-            raise ValueError(
-                f"{spec!r}: the check before any run (a smoke sequence on a tiny pool) did not "
-                f"finish within {timeout_s:g} s"
-            )
-        try:
-            problem = ours.recv()
-        except EOFError:
-            proc.join(5)
-            raise ValueError(
-                f"{spec!r}: the check before any run (a smoke sequence on a tiny pool) ended "
-                f"the process: {_status(proc.exitcode)}"
-            ) from None
-        if problem:
-            raise ValueError(problem)
+        said = _heard(ours, proc, import_timeout_s, f"{spec!r}: importing it")
+        if said[0] == "loaded":
+            said = _heard(ours, proc, timeout_s, f"{spec!r}: {check}", " (--check-timeout)")
+        kind, value = said
+        if kind == "failed":
+            raise SmokeFailure.from_dict(value)
+        if kind == "bad":
+            raise ValueError(value)
+        return None if value is None else tuple(value)
     finally:
         if proc.is_alive():
             proc.kill()
@@ -319,17 +324,38 @@ def validate_isolated(spec: str, timeout_s: float = VALIDATE_TIMEOUT_S) -> None:
         ours.close()
 
 
-def _validate(spec: str, cwd: str, conn) -> None:
-    from kvchaos.harness.run.user_code import validate_manager
+def _heard(conn, proc, timeout_s: float, what: str, flag: str = ""):
+    """The checking worker's next word, within timeout_s: ValueError (one line) if it says
+    nothing in time or ends without a word."""
+    if not conn.poll(timeout_s):
+        raise ValueError(f"{what} did not finish within {timeout_s:g} s{flag}")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise ValueError(f"{what} ended the process: {_status(proc.exitcode)}") from None
+
+
+def _validate(spec: str, cwd: str, env: dict, conn) -> None:
+    from kvchaos.engine.protocols import declared_block_sizes
+    from kvchaos.harness.run.user_code import SmokeFailure, load_object, validate_manager
 
     os.chdir(cwd)  # where the caller runs: a module there is importable, as in a run
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ.clear()  # the caller's environment now, as a run's worker has it
+    os.environ.update(env)
+    if seed is not None:
+        os.environ["PYTHONHASHSEED"] = seed
     try:
-        validate_manager(spec)
-        conn.send(None)
+        load_object(spec)  # the import, first: the check's clock starts after it
+        conn.send(("loaded", None))
+        conn.send(("ok", declared_block_sizes(validate_manager(spec))))
+    except SmokeFailure as e:
+        conn.send(("failed", e.to_dict()))
     except ValueError as e:
-        conn.send(str(e))
+        conn.send(("bad", str(e)))
     except BaseException as e:  # noqa: BLE001  SystemExit included: one line, never a crash
-        conn.send(f"{spec!r}: the check before any run raised {type(e).__name__}: {e}")
+        conn.send(("bad", f"{spec!r}: the check before any run raised {type(e).__name__}: {e}"))
 
 
 def _wait(proc, conn, timeout_s: float | None, on_wait=None):

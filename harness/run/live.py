@@ -112,9 +112,13 @@ class LiveRun:
 
     def _check_writes(self, step: int) -> None:
         """The blocks each sequence's KV was written to this step (the engine's slot mapping, the
-        harness's own record) must be ones the snapshot of this step lists for it, none free."""
+        harness's own record) must be ones the snapshot of this step lists for it, none free;
+        and every position written must have a slot reserved (unslotted_write)."""
         snap_step, snap = self.last_snap
-        if snap_step != step:
+        snap = snap if snap_step == step else None
+        if self.engine.unslotted or snap is not None:
+            self._check_slots(step, snap)
+        if snap is None:
             return
         free, held = set(snap.free), snap.seq_blocks
         for req, blocks in self.engine.written.items():
@@ -131,6 +135,37 @@ class LiveRun:
                         "ranks": sorted(set().union(*(blocks[b] for b in stray))),
                     }
                 )
+
+    def _check_slots(self, step: int, snap) -> None:
+        """Positions written with no slot reserved for them: past the blocks the snapshot of this
+        step lists for the sequence ("past_blocks"), or through an unused (-1) entry of a rank's
+        table ("unused_entry"), whose write lands in the pool's last block."""
+        e, bs = self.engine, self.engine.bm.block_size
+        found: dict[str, dict[int, set[int]]] = {}  # req -> position -> ranks
+        for req, pos, rank in e.unslotted:
+            found.setdefault(req, {}).setdefault(pos, set()).add(rank)
+        held = {} if snap is None else snap.seq_blocks
+        every = set(range(len(e.ranks.ranks)))  # every rank writes every position it computes
+        for req, (start, end) in e.write_spans.items() if snap is not None else ():
+            for pos in range(max(start, len(held.get(req, ())) * bs), end):
+                found.setdefault(req, {}).setdefault(pos, set()).update(every)
+        for req, by_pos in sorted(found.items()):
+            positions = sorted(by_pos)
+            slots = None if snap is None else len(held.get(req, ())) * bs
+            self.h.append(
+                {
+                    "e": "unslotted_write",
+                    "step": step,
+                    "req": req,
+                    "positions": positions,
+                    "ranks": sorted(set().union(*by_pos.values())),
+                    "via": "past_blocks"
+                    if slots is not None and positions[0] >= slots
+                    else "unused_entry",  # fmt: skip
+                    "slots_held": slots,
+                    "entry": positions[0] // bs,
+                }
+            )
 
     def arm(self) -> None:
         """Attach the faults to the engine's seams (after run_start: the history opens with it).

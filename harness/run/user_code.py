@@ -5,11 +5,14 @@ on sys.path beside the installed package) would give two `OutOfBlocks` classes: 
 refusal would then escape the engine as an unexpected exception. Loading refuses that, naming the
 `kvchaos.*` import to use instead.
 
-`validate_manager` is the check before any run: the factory builds a manager on a tiny pool, the
-manager declares protocol v2 and has its attributes, and a short smoke sequence (admit, block_ids,
-append, end_step, fork, release, snapshot) runs without an exception and answers in the
-protocol's types. Whether its answers are true is for the runs'
-checkers and `kvchaos conformance` to judge, not for the door.
+`validate_manager` is the check before any run: the factory builds a manager on a tiny pool (of a
+block size it declares it supports: `block_sizes`, optional), the manager declares protocol v2
+and has its attributes, and a short smoke sequence (admit, block_ids, append, end_step, fork,
+release, snapshot) runs. What is not a manager at all (nothing to import, not callable, a wrong
+signature, no v2 declaration, members missing or of the wrong type) is bad input: ValueError.
+A manager whose smoke call raises or answers what the protocol does not allow has a bug:
+SmokeFailure, with the calls made, which the doors record as a FAIL run (harness/run/door.py).
+Whether its answers are true is for the runs' checkers and `kvchaos conformance` to judge.
 
 Shipped adapters have short names (ALIASES): `--block-manager vllm` is vLLM v1's KVCacheManager."""
 
@@ -20,6 +23,7 @@ import inspect
 import numbers
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from kvchaos.harness.scenario.managers import ALIASES, OLD_TOP_LEVEL, ROOT, canonical_spec
@@ -125,6 +129,47 @@ class _Refused(Exception):
     """The smoke sequence found the manager unusable: one line."""
 
 
+class _Failed(Exception):
+    """A smoke call raised or answered what the protocol does not allow: the manager's bug."""
+
+    def __init__(self, text: str, shown: str, args: tuple, error: BaseException) -> None:
+        super().__init__(text)
+        self.shown, self.args_, self.error = shown, args, error
+
+
+class SmokeFailure(ValueError):
+    """A manager failed the smoke sequence: a bug, recorded as a FAIL run (harness/run/door.py).
+    A ValueError whose text is one line, for a caller that can only refuse it. calls: the smoke
+    calls made, each {"call", "answer"}, the failing one last; call: the one that failed, shown
+    with its arguments."""
+
+    def __init__(self, text: str, *, spec: str, pool: tuple, capabilities: list, failed: _Failed,
+                 calls: list) -> None:  # fmt: skip
+        super().__init__(text)
+        self.spec, self.pool, self.capabilities, self.calls = spec, pool, capabilities, calls
+        self.call = failed.shown
+        self.args_ = [repr(a) for a in failed.args_]
+        e = failed.error
+        self.error = type(e).__name__
+        self.message = str(e).strip() or type(e).__name__
+        self.traceback = "".join(traceback.format_exception(e))
+
+    def to_dict(self) -> dict:
+        """Plain data (it crosses from the checking worker to its parent)."""
+        keys = ("spec", "pool", "capabilities", "calls", "call", "args_", "error", "message")
+        return {"text": str(self), **{k: getattr(self, k) for k in keys + ("traceback",)}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SmokeFailure":
+        out = cls.__new__(cls)
+        ValueError.__init__(out, d["text"])
+        for k, v in d.items():
+            if k != "text":
+                setattr(out, k, v)
+        out.pool = tuple(out.pool)
+        return out
+
+
 def _line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -134,24 +179,27 @@ def _read(bm, name: str):
     try:
         value = getattr(bm, name)
     except Exception as e:
-        raise _Refused(f"reading {name} raised {type(e).__name__}: {_line(e)}") from None
+        text = f"reading {name} raised {type(e).__name__}: {_line(e)}"
+        raise _Failed(text, f"reading {name}", (), e) from None
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise _Refused(f"{name} is {type(value).__name__} {value!r}, not an int")
     return value
 
 
-def _snapshot(bm, fields=SNAPSHOT_FIELDS) -> None:
-    snap = _call(bm, "snapshot")
+def _snapshot(bm, calls: list, fields=SNAPSHOT_FIELDS) -> None:
+    from kvchaos.engine.boundary import BadAnswer
+
+    snap = _call(bm, calls, "snapshot")
     try:
         d = snap.to_dict()
     except Exception:
-        raise _Refused(
-            f"snapshot() returned {type(snap).__name__}, not a kvchaos.engine.protocols.Snapshot"
-        ) from None
-    for field, kind in fields.items():
-        if not isinstance(d.get(field), kind) or isinstance(d.get(field), bool):
-            got = type(d.get(field)).__name__ if field in d else "nothing"
-            raise _Refused(f"snapshot() field {field} is {got}, not {kind.__name__}")
+        text = f"returned {type(snap).__name__}, not a kvchaos.engine.protocols.Snapshot"
+        raise _Failed(f"snapshot() {text}", "snapshot()", (), BadAnswer(text)) from None
+    for name, kind in fields.items():
+        if not isinstance(d.get(name), kind) or isinstance(d.get(name), bool):
+            got = type(d.get(name)).__name__ if name in d else "nothing"
+            text = f"field {name} is {got}, not {kind.__name__}"
+            raise _Failed(f"snapshot() {text}", "snapshot()", (), BadAnswer(text))
 
 
 MEMBERS = (
@@ -171,27 +219,37 @@ BUILT_TABLE_SNAPSHOT_FIELDS = {  # the table fields are the engine's
 _REFUSED = object()  # a call answered OutOfBlocks
 
 
-def _call(bm, name: str, *args):
-    """One call of the smoke sequence; its answer held to what the engine's boundary accepts
-    (engine.boundary). A refusal (OutOfBlocks) is an answer: _REFUSED."""
-    from kvchaos.engine.boundary import BadAnswer, check_answer, describe
+def _call(bm, calls: list, name: str, *args):
+    """One call of the smoke sequence, logged in calls; its answer held to what the engine's
+    boundary accepts (engine.boundary). A refusal (OutOfBlocks) is an answer: _REFUSED."""
+    from kvchaos.engine.boundary import BadAnswer, check_answer, copied, describe
     from kvchaos.engine.errors import OutOfBlocks
 
     shown = describe(name, args)
+    said = {"call": shown, "answer": None}
+    calls.append(said)
     try:
-        out = getattr(bm, name)(*args)
-    except OutOfBlocks:
+        out = copied(getattr(bm, name)(*args))  # args are its own: the log keeps their text
+    except OutOfBlocks as e:
+        said["answer"] = f"refused: OutOfBlocks: {_line(e)}"
         return _REFUSED
-    except Exception as e:
-        raise _Refused(f"{shown} raised {type(e).__name__}: {_line(e)}") from None
+    except (Exception, SystemExit) as e:
+        said["answer"] = f"raised {type(e).__name__}: {_line(e)}"
+        raise _Failed(f"{shown} {said['answer']}", shown, args, e) from None
+    said["answer"] = _shown(out)
     try:
         check_answer(name, out, args, bm.num_blocks)
     except BadAnswer as e:
-        raise _Refused(f"{shown} {e}") from None
+        raise _Failed(f"{shown} {e}", shown, args, e) from None
     return out
 
 
-def _smoke(bm) -> None:
+def _shown(answer) -> str:
+    text = repr(answer)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _smoke(bm, calls: list) -> None:
     """A few sequences' lives on the tiny pool: admissions sharing a prefix, growth, the optional
     calls it declares, every release reason; the table only when the manager owns one."""
     from kvchaos.engine.protocols import capabilities
@@ -218,25 +276,31 @@ def _smoke(bm) -> None:
         missing = [f"table.{m}" for m in TABLE_MEMBERS if not _has(bm.table, m)]
         if missing:
             raise _Refused(f"{type(bm).__name__} owns a table that lacks {', '.join(missing)}")
-    step = (lambda done: _call(bm, "end_step", done)) if "end_step" in caps else (lambda _: None)
+    step = (
+        (lambda done: _call(bm, calls, "end_step", done))
+        if "end_step" in caps
+        else (lambda _: None)
+    )
     prompt = [1, 2, 3, 4, 5]
-    if _call(bm, "admit", "smoke-a", prompt, 5, 4) is not _REFUSED:
-        _call(bm, "block_ids", "smoke-a")
+    if _call(bm, calls, "admit", "smoke-a", prompt, 5, 4) is not _REFUSED:
+        _call(bm, calls, "block_ids", "smoke-a")
         step({"smoke-a": 5})
-        if _call(bm, "append", "smoke-a", [6]) is not _REFUSED:
+        if _call(bm, calls, "append", "smoke-a", [6]) is not _REFUSED:
             step({"smoke-a": 6})
-    _snapshot(bm, fields)
-    if "fork" in caps and _call(bm, "fork", "smoke-a", "smoke-b") is not _REFUSED:
-        _call(bm, "append", "smoke-b", [7])
-        _snapshot(bm, fields)
-    if _call(bm, "admit", "smoke-c", prompt + [8, 9], 7, 6) is not _REFUSED:  # a hit, with a cache
-        _call(bm, "block_ids", "smoke-c")
-        _snapshot(bm, fields)
+    _snapshot(bm, calls, fields)
+    if "fork" in caps and _call(bm, calls, "fork", "smoke-a", "smoke-b") is not _REFUSED:
+        _call(bm, calls, "append", "smoke-b", [7])
+        _snapshot(bm, calls, fields)
+    if (
+        _call(bm, calls, "admit", "smoke-c", prompt + [8, 9], 7, 6) is not _REFUSED
+    ):  # a hit, with a cache
+        _call(bm, calls, "block_ids", "smoke-c")
+        _snapshot(bm, calls, fields)
     for seq, why in (("smoke-a", "finished"), ("smoke-a", "finished"), ("smoke-b", "aborted")):
-        _call(bm, "release", seq, why)
+        _call(bm, calls, "release", seq, why)
     for seq, why in (("smoke-c", "preempted"), ("never-seen", "error")):  # release is idempotent
-        _call(bm, "release", seq, why)
-    _snapshot(bm, fields)
+        _call(bm, calls, "release", seq, why)
+    _snapshot(bm, calls, fields)
 
 
 def _has(obj, name: str) -> bool:
@@ -248,18 +312,33 @@ def _has(obj, name: str) -> bool:
         return hasattr(obj, name)  # __getattr__ forwarding
 
 
+def smoke_pool(factory) -> tuple[int, int, int, int]:
+    """The tiny pool of the check: SMOKE_POOL at a block size the factory declares it supports
+    (its `block_sizes`, when it declares them: 2 if among them, else the smallest)."""
+    from kvchaos.engine.protocols import declared_block_sizes
+
+    sizes = declared_block_sizes(factory)
+    bs = SMOKE_POOL[1] if sizes is None or SMOKE_POOL[1] in sizes else min(sizes)
+    return (SMOKE_POOL[0], bs, *SMOKE_POOL[2:])
+
+
 def validate_manager(spec: str):
     """The block manager factory 'module:attr' names, checked before any run: ValueError (one
     line, bad input) when it cannot be loaded, called on a tiny pool, does not declare protocol
-    v2, lacks its attributes, or fails the smoke sequence. Returns the factory."""
+    v2 or lacks its attributes; SmokeFailure (a ValueError too) when a call of the smoke
+    sequence raises or answers what the protocol does not allow. Returns the factory."""
     factory = load_object(spec)
     if not callable(factory):
         raise ValueError(
             f"{spec!r} is {type(factory).__name__}, not a block manager class or factory"
         )
-    args = ", ".join(map(str, SMOKE_POOL))
     try:
-        bm = factory(*SMOKE_POOL)
+        pool = smoke_pool(factory)
+    except ValueError as e:
+        raise ValueError(f"{spec!r}: {e}") from None
+    args = ", ".join(map(str, pool))
+    try:
+        bm = factory(*pool)
     except Exception as e:
         raise ValueError(
             f"{spec!r}: calling it on a tiny pool ({args}: num_blocks, block_size, max_num_seqs, "
@@ -267,12 +346,45 @@ def validate_manager(spec: str):
         ) from None
     if bm is None:
         raise ValueError(f"{spec!r}({args}) returned None, not a block manager")
-    from kvchaos.engine.protocols import NOT_V2, protocol_version  # here: no torch until used
+    from kvchaos.engine.protocols import NOT_V2, capabilities, protocol_version  # no torch yet
 
     if protocol_version(bm) < 2:
         raise ValueError(f"{spec!r}: {type(bm).__name__} {NOT_V2}")
+    calls: list[dict] = []
     try:
-        _smoke(bm)
+        _smoke(bm, calls)
     except _Refused as e:
         raise ValueError(f"{spec!r} on a tiny pool ({args}): {e}") from None
+    except _Failed as e:
+        raise SmokeFailure(
+            f"{spec!r} on a tiny pool ({args}): {e}",
+            spec=spec,
+            pool=pool,
+            capabilities=sorted(capabilities(bm)),
+            failed=e,
+            calls=calls,
+        ) from None
     return factory
+
+
+def supported(scs: list, sizes: tuple[int, ...] | None, spec: str, named: bool) -> list:
+    """The scenarios whose block size the manager supports (sizes: its block_sizes; None: any).
+    ValueError (bad input) for a named scenario it does not support, or when none is left; the
+    built-ins it does not support are left out, one line on stderr saying so."""
+    if sizes is None:
+        return scs
+    size = {s.name: s.engine_config().cache.block_size for s in scs}
+    left = [s for s in scs if size[s.name] not in sizes]
+    if left and (named or len(left) == len(scs)):
+        s = left[0]
+        raise ValueError(
+            f"scenario {s.name}: block_size {size[s.name]}, but {spec!r} supports block sizes "
+            f"{', '.join(map(str, sizes))} (its block_sizes)"
+        )
+    if left:
+        print(
+            f"kvchaos: left out {len(left)} scenarios of a block size {spec} does not support "
+            f"({', '.join(map(str, sizes))}): {', '.join(s.name for s in left)}",
+            file=sys.stderr,
+        )
+    return [s for s in scs if s not in left]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvchaos.harness.scenario import inputs
 
 DEFAULT_TIMEOUT_S = 300.0  # per run; the built-in scenarios take seconds on a CPU
+DEFAULT_CHECK_TIMEOUT_S = 60.0  # the block manager's check before any run, its import apart
 DEFAULT_REPORT_DIR = "reports"
 HELP = {
     "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
@@ -20,6 +21,9 @@ HELP = {
     "own KVCacheManager from the installed vllm; 'sglang': SGLang's RadixCache and paged "
     "allocator from the installed sglang (docs/adapters.md)",
     "report_dir": "where run folders go",
+    "check_timeout": "time limit in seconds of the block manager's check before any run (a smoke "
+    "sequence on a tiny pool, in a fresh worker), its module's import not counted: a check "
+    "still going then is bad input",
 }
 FLAGS = {
     "device": "--device",
@@ -28,6 +32,7 @@ FLAGS = {
     "timeout": "--timeout",
     "block_manager": "--block-manager",
     "report_dir": "--report-dir",
+    "check_timeout": "--check-timeout",
 }
 KWARGS = {
     "device": dict(type=inputs.flag(inputs.device)),
@@ -36,6 +41,7 @@ KWARGS = {
     "timeout": dict(type=inputs.flag(inputs.seconds), metavar="S"),
     "block_manager": dict(metavar="MODULE:ATTR"),
     "report_dir": dict(metavar="DIR"),
+    "check_timeout": dict(type=inputs.flag(inputs.seconds), metavar="S"),
 }
 
 
@@ -88,11 +94,12 @@ def add_pytest(group) -> None:
         ("report_dir", None, "reports/ in the rootdir; kvchaos_run: the test's tmp_path"),
         ("block_manager", None, "the reference"),
         ("timeout", None, f"{DEFAULT_TIMEOUT_S:g}, as kvchaos run"),
+        ("check_timeout", None, f"{DEFAULT_CHECK_TIMEOUT_S:g}, as kvchaos run"),
     ):
         group.addoption(
             "--kvchaos-" + FLAGS[name].removeprefix("--"),
             default=default,
             metavar=KWARGS[name].get("metavar"),
-            **({"type": float} if name == "timeout" else {}),
+            **({"type": float} if name in ("timeout", "check_timeout") else {}),
             help=_help(name, default, means, "scenario items" if name == "device" else None),
         )

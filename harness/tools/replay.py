@@ -28,7 +28,8 @@ from kvchaos.harness.history.log import (
     iter_history,
     stable_line,
 )
-from kvchaos.harness.run.user_code import validate_manager
+from kvchaos.harness.run.door import DOOR_SCENARIO, door_run
+from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
 
@@ -183,8 +184,14 @@ def replay(
         **recorded_setup(run_dir, results),
         **{k: v for k, v in (overrides or {}).items() if v},
     }
+    door = None  # a run of the check before any run: replayed by checking again
     if setup["block_manager_spec"]:  # bad input (exit 2) before anything runs
-        (validate_isolated if isolated else validate_manager)(setup["block_manager_spec"])
+        try:
+            (validate_isolated if isolated else validate_manager)(setup["block_manager_spec"])
+        except SmokeFailure as failed:
+            if sc.name != DOOR_SCENARIO:
+                raise
+            door = failed
     stored = Path(run_dir) / "history.jsonl"
     # the whole stored history is read before the re-run: damage is one line, not a wasted run
     recorded = history_digest(stored) if stored.exists() else results.get("history_digest")
@@ -192,7 +199,7 @@ def replay(
     os.environ["KVCHAOS_PLOTS"] = "none"  # the replay's folder is thrown away: no figures for it
     try:
         with tempfile.TemporaryDirectory(prefix="kvchaos-replay-") as tmp:
-            r = run(
+            r = door_run(door, tmp, index=False) if door else run(
                 sc, results["seed"], isolated=isolated, device=device, report_dir=tmp,
                 timeout_s=timeout_s, **setup,
             )  # fmt: skip
