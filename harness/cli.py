@@ -352,6 +352,7 @@ def build_parser(load=None) -> argparse.ArgumentParser:
     ls.add_argument(
         "scenarios",
         nargs="*",
+        type=options.PATH,
         metavar="SCENARIO",
         help="files or built-in names (default: all built-ins)",
     )
@@ -376,6 +377,7 @@ def build_parser(load=None) -> argparse.ArgumentParser:
     run.add_argument(
         "scenarios",
         nargs="*",
+        type=options.PATH,
         metavar="SCENARIO",
         help="scenario files or built-in names (default: every built-in scenario)",
     )

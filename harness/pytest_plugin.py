@@ -85,7 +85,12 @@ def _check_flags(config) -> None:
     imported only when such a flag is given: a session without them imports nothing heavy)."""
     given = {
         name: value
-        for name in ("--kvchaos-seeds", "--kvchaos-device", "--kvchaos-timeout")
+        for name in (
+            "--kvchaos-seeds",
+            "--kvchaos-device",
+            "--kvchaos-timeout",
+            "--kvchaos-report-dir",
+        )
         if (value := config.getoption(name, None)) not in (None, "cpu")
     }
     if not given:
@@ -97,12 +102,22 @@ def _check_flags(config) -> None:
         "--kvchaos-seeds": lambda v: inputs.parse_seeds(None, v),
         "--kvchaos-device": inputs.device,
         "--kvchaos-timeout": lambda v: inputs.seconds(str(v)),
+        "--kvchaos-report-dir": _check_report_dir,
     }
     for name, value in given.items():
         try:
             checks[name](value)
         except (ValueError, KVChaosError) as e:
             raise pytest.UsageError(f"{name}: {e}") from None
+
+
+def _check_report_dir(d: str) -> None:
+    """As kvchaos run checks --report-dir: not blank, and a folder runs can be written under."""
+    from kvchaos.harness.report.paths import report_dir_problem
+    from kvchaos.harness.scenario.inputs import path
+
+    if problem := report_dir_problem(path(d)):
+        raise ValueError(f"{d}: {problem}")
 
 
 def _batch(config) -> str:
