@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -69,6 +70,9 @@ class ModelConfig:
             "model.head_dim",
             "must be even (rotary embeddings pair dimensions)",
         )
+        for name in ("rope_theta", "rms_eps"):  # a base and an epsilon: finite, positive
+            v = getattr(self, name)
+            _require(math.isfinite(v) and v > 0, f"model.{name}", f"must be a number > 0, got {v}")
         _require(
             self.dtype in DTYPES,
             "model.dtype",

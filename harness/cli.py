@@ -381,6 +381,7 @@ def build_parser(load=None) -> argparse.ArgumentParser:
     ls.add_argument(
         "scenarios",
         nargs="*",
+        type=options.PATH,
         metavar="SCENARIO",
         help="files or built-in names (default: all built-ins)",
     )
@@ -405,6 +406,7 @@ def build_parser(load=None) -> argparse.ArgumentParser:
     run.add_argument(
         "scenarios",
         nargs="*",
+        type=options.PATH,
         metavar="SCENARIO",
         help="scenario files or built-in names (default: every built-in scenario)",
     )

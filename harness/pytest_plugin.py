@@ -99,6 +99,7 @@ def _check_flags(config) -> None:
             "--kvchaos-device",
             "--kvchaos-timeout",
             "--kvchaos-check-timeout",
+            "--kvchaos-report-dir",
         )
         if (value := config.getoption(name, None)) not in (None, "cpu")
     }
@@ -112,12 +113,22 @@ def _check_flags(config) -> None:
         "--kvchaos-device": inputs.device,
         "--kvchaos-timeout": lambda v: inputs.seconds(str(v)),
         "--kvchaos-check-timeout": lambda v: inputs.seconds(str(v)),
+        "--kvchaos-report-dir": _check_report_dir,
     }
     for name, value in given.items():
         try:
             checks[name](value)
         except (ValueError, KVChaosError) as e:
             raise pytest.UsageError(f"{name}: {e}") from None
+
+
+def _check_report_dir(d: str) -> None:
+    """As kvchaos run checks --report-dir: not blank, and a folder runs can be written under."""
+    from kvchaos.harness.report.paths import report_dir_problem
+    from kvchaos.harness.scenario.inputs import path
+
+    if problem := report_dir_problem(path(d)):
+        raise ValueError(f"{d}: {problem}")
 
 
 def _batch(config) -> str:

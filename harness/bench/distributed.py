@@ -30,6 +30,7 @@ from kvchaos.engine.cluster import Cluster
 from kvchaos.engine.config import CacheConfig, EngineConfig
 from kvchaos.engine.distributed import DistEngine
 from kvchaos.engine.engine import Engine
+from kvchaos.harness.scenario.options import PATH
 
 WORKLOADS = {  # name: (requests, prompt length range, new tokens)
     "batch 1": (1, (32, 32), 96),
@@ -209,6 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
+        type=PATH,
         default="reports/bench-distributed.json",
         metavar="PATH",
         help="where to write the JSON report (default: reports/bench-distributed.json)",

@@ -40,6 +40,8 @@ from kvchaos.harness.bench.gpu_stages import (
     TIMEOUT,
 )
 from kvchaos.harness.bench.gpu_summary import write_summaries
+from kvchaos.harness.scenario import inputs
+from kvchaos.harness.scenario.options import PATH
 
 EXIT_FAILED, EXIT_NO_CUDA, EXIT_INCOMPLETE = 1, 3, 4
 NO_CUDA = "no CUDA device: the GPU check needs one; on this machine run `make test`"
@@ -107,14 +109,14 @@ def run_stage_child(args) -> int:
 
 
 def run_check(args) -> dict:
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGE_FUNCS]
+    if unknown:  # before anything is written
+        raise ValueError(f"--stages: unknown {unknown}; known: {', '.join(STAGES)}")
     out, work = Path(args.out), Path(args.work_dir or Path(args.out) / "work")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = [s for s in stages if s not in STAGE_FUNCS]
-    if unknown:
-        raise ValueError(f"--stages: unknown {unknown}; known: {', '.join(STAGES)}")
-    limits = {**LIMITS, **dict(_limit(v) for v in args.stage_limit or [])}
+    limits = {**LIMITS, **dict(args.stage_limit or [])}
     device = "cpu" if args.cpu_dry_run else "cuda"
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
@@ -213,10 +215,8 @@ def run_check(args) -> dict:
 def _limit(spec: str) -> tuple[str, float]:
     name, _, v = spec.partition("=")
     if name not in STAGE_FUNCS or not v:
-        raise ValueError(
-            f"--stage-limit {spec!r}: expected STAGE=SECONDS with a stage from {', '.join(STAGES)}"
-        )
-    return name, float(v)
+        raise ValueError(f"{spec!r}: expected STAGE=SECONDS with a stage from {', '.join(STAGES)}")
+    return name, inputs.seconds(v)
 
 
 def _commit() -> str:
@@ -242,15 +242,19 @@ def _say(msg: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
+        type=PATH,
         default="reports/gpu-check",
         help="where the summaries go (default: reports/gpu-check)",
     )
     p.add_argument(
-        "--work-dir", default=None, help="run folders and stage results (default: OUT/work)"
+        "--work-dir",
+        type=PATH,
+        default=None,
+        help="run folders and stage results (default: OUT/work)",
     )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=inputs.flag(inputs.seconds),
         default=450,
         help="total time budget in seconds (default 450: under 8 minutes in all)",
     )
@@ -258,7 +262,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}"
     )
     p.add_argument(
-        "--stage-limit", action="append", metavar="STAGE=S", help="override one stage's time limit"
+        "--stage-limit",
+        action="append",
+        type=inputs.flag(_limit),
+        metavar="STAGE=S",
+        help="override one stage's time limit",
     )
     p.add_argument(
         "--scenario", action="append", help="only these scenarios (default: every built-in)"

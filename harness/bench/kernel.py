@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvchaos.harness.scenario.options import PATH
+
 EXIT_NO_CUDA = 3
 NO_CUDA = (
     "bench_kernel needs CUDA: no CUDA device here. `--interpret` runs a tiny-shape smoke of the "
@@ -367,7 +369,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU smoke: tiny shapes through the Triton interpreter, in a subprocess; "
         "measures nothing",
     )
-    p.add_argument("--json", metavar="FILE", help="also write the results here")
+    p.add_argument("--json", type=PATH, metavar="FILE", help="also write the results here")
     p.add_argument(
         "--runs", type=int, default=None, help="timed runs per variant (default 100, quick 50)"
     )

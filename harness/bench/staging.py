@@ -26,6 +26,7 @@ from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.staging import StagingBuffer
 from kvchaos.harness.run.device import resolve_device
+from kvchaos.harness.scenario.options import PATH
 
 NOT_APPLICABLE = (
     "not applicable: no CUDA device. On the CPU the block table never crosses to a device, "
@@ -165,7 +166,7 @@ if __name__ == "__main__":
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--json", type=PATH, metavar="FILE")
     a = ap.parse_args()
     result = measure()
     print_report(result)

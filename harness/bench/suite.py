@@ -450,6 +450,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add(parser, "device", default="cpu", lead="the engine benchmarks")
     parser.add_argument(
         "--out",
+        type=options.PATH,
         default="reports/bench.json",
         metavar="PATH",
         help="where to write the JSON report (default: reports/bench.json)",

@@ -18,6 +18,7 @@ from kvchaos.harness.report.index import update_index
 from kvchaos.harness.report.render import write_reports
 from kvchaos.harness.report.view import RunView
 from kvchaos.harness.scenario.inputs import replay_command
+from kvchaos.harness.scenario.options import PATH
 
 # -- kvchaos analyze ------------------------------------------------------------------------
 
@@ -101,7 +102,10 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
 
 def add_arguments(p) -> None:
     p.add_argument(
-        "run_dir", metavar="RUN_DIR", help="a run folder (holds history.jsonl), e.g. reports/latest"
+        "run_dir",
+        type=PATH,
+        metavar="RUN_DIR",
+        help="a run folder (holds history.jsonl), e.g. reports/latest",
     )
     p.add_argument(
         "--no-plots", action="store_true", help="skip the matplotlib figure in report.html"

@@ -5,6 +5,7 @@ grinds and dies with MemoryError."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 GiB = 2**30
 # Python-side costs, measured on the reference workload and rounded up: a request's plan,
@@ -105,9 +106,10 @@ def estimate(sc) -> list[Part]:
 
 
 def available(device: str) -> tuple[int | None, str]:
-    """(bytes free, where) for a run on device: host RAM for the CPU; for CUDA the device's free
-    memory when CUDA is already up in this process (asking would start it: a forked worker could
-    then not use it), else None (unknown: only the host part is judged)."""
+    """(bytes free, where) for a run on device: on the host, the least this process can really
+    get (free RAM, its address-space and data limits, its cgroup's memory limit); for CUDA the
+    device's free memory when CUDA is already up in this process (asking would start it: a
+    forked worker could then not use it), else None (unknown: only the host part is judged)."""
     if device.startswith("cuda"):
         import torch
 
@@ -115,9 +117,87 @@ def available(device: str) -> tuple[int | None, str]:
             return None, device
         index = int(device.partition(":")[2] or torch.cuda.current_device())
         return torch.cuda.mem_get_info(index)[0], f"free on {device}"
+    return min(host_limits(), key=lambda x: x[0])
+
+
+def host_limits() -> list[tuple[int, str]]:
+    """Each bound on this process's host memory, as (bytes left, in words): free RAM, then the
+    soft RLIMIT_AS (ulimit -v) and RLIMIT_DATA (ulimit -d) less what the process maps already
+    (a run's worker inherits both), then the cgroup memory limit less its usage."""
     import psutil
 
-    return psutil.virtual_memory().available, "available host RAM"
+    out = [(psutil.virtual_memory().available, "available host RAM")]
+    try:
+        import resource
+    except ImportError:  # not on this platform (Windows)
+        return out
+    mem = psutil.Process().memory_info()
+    for limit, used, words in (
+        (resource.RLIMIT_AS, mem.vms, "the address-space limit (ulimit -v"),
+        (resource.RLIMIT_DATA, getattr(mem, "data", mem.vms), "the data-size limit (ulimit -d"),
+    ):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY:
+            out.append((max(0, soft - used), f"left under {words} {_gib(soft)})"))
+    return out + cgroup_limits()
+
+
+CGROUP = Path("/sys/fs/cgroup")
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge page-rounded number
+
+
+def _read(p: Path) -> str | None:
+    try:
+        return p.read_text().strip()
+    except OSError:
+        return None
+
+
+def _inactive_file(stat: str | None, key: str) -> int:
+    """Page cache the kernel reclaims before it refuses memory: not counted as used."""
+    for line in (stat or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.isdigit():
+            return int(value)
+    return 0
+
+
+def cgroup_limits(root: Path = CGROUP, proc: Path = Path("/proc/self/cgroup")) -> list:
+    """(bytes left, in words) under the tightest memory limit of this process's cgroup and those
+    above it, v2 (memory.max) or v1 (memory.limit_in_bytes); [] when none is set or readable.
+    A folder the mount does not show (a cgroup namespace's view) is skipped."""
+    best = None
+    for line in (_read(proc) or "").splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        controllers, path = fields[1], fields[2]
+        if controllers == "":  # v2: one hierarchy, at the mount's root
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base, files = (
+                root / "memory",
+                (
+                    "memory.limit_in_bytes",
+                    "memory.usage_in_bytes",
+                    "total_inactive_file",
+                ),
+            )
+        else:
+            continue
+        d = base / path.lstrip("/")
+        while True:
+            limit, usage = _read(d / files[0]), _read(d / files[1])
+            if limit and limit.isdigit() and int(limit) < UNLIMITED and usage and usage.isdigit():
+                used = int(usage) - _inactive_file(_read(d / "memory.stat"), files[2])
+                left = max(0, int(limit) - max(0, used))
+                if best is None or left < best[0]:
+                    words = f"left under the cgroup memory limit ({d / files[0]}: "
+                    best = (left, words + f"{_gib(int(limit))})")
+            if d == base or not d.is_relative_to(base):
+                break
+            d = d.parent
+    return [best] if best else []
 
 
 def _gib(n: int | float) -> str:

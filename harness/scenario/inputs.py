@@ -69,6 +69,14 @@ def seconds(text: str) -> float:
     return s
 
 
+def path(text: str) -> str:
+    """A path as typed. An empty or blank one is a slip, not a name: Path("") is the working
+    directory, and a folder named " " is nobody's plan."""
+    if not text.strip():
+        raise ValueError(f"{text!r}: an empty path")
+    return text
+
+
 def device(text: str) -> str:
     from kvchaos.engine.config import DEVICE  # here: a command's --help needs none of the config
 

@@ -9,6 +9,7 @@ from kvchaos.harness.scenario import inputs
 DEFAULT_TIMEOUT_S = 300.0  # per run; the built-in scenarios take seconds on a CPU
 DEFAULT_CHECK_TIMEOUT_S = 60.0  # the block manager's check before any run, its import apart
 DEFAULT_REPORT_DIR = "reports"
+PATH = inputs.flag(inputs.path)  # the argparse type of every path a command takes
 HELP = {
     "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
     "seed": "run this one seed",
@@ -40,7 +41,7 @@ KWARGS = {
     "seeds": dict(metavar="N|LIST"),
     "timeout": dict(type=inputs.flag(inputs.seconds), metavar="S"),
     "block_manager": dict(metavar="MODULE:ATTR"),
-    "report_dir": dict(metavar="DIR"),
+    "report_dir": dict(type=PATH, metavar="DIR"),
     "check_timeout": dict(type=inputs.flag(inputs.seconds), metavar="S"),
 }
 

@@ -58,18 +58,20 @@ def check_name(name: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # every float of a scenario is finite: TOML's nan and inf are refused where they are written
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LengthDist(_Strict):
     dist: Literal["fixed", "uniform", "lognormal", "bimodal"] = "uniform"
-    value: int = 16  # fixed
+    value: int = Field(16, ge=1)  # fixed (not clipped)
     min: int = 1  # uniform / clip
     max: int = 64  # uniform / clip
-    median: float = 16.0  # lognormal
-    sigma: float = 0.5  # lognormal
+    # lognormal: bounded so that exp(log(median) + sigma * z) stays a float
+    median: float = Field(16.0, gt=0.0, le=1e9)
+    sigma: float = Field(0.5, ge=0.0, le=10.0)
     modes: tuple[int, int] = (8, 48)  # bimodal
-    weight: float = 0.5  # bimodal: share of the first mode
+    weight: float = Field(0.5, ge=0.0, le=1.0)  # bimodal: share of the first mode
 
     @model_validator(mode="after")
     def _check(self):
@@ -136,7 +138,8 @@ class Expectation(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        windows = self.within_steps if isinstance(self.within_steps, dict) else {"": 0}
+        w = self.within_steps
+        windows = w if isinstance(w, dict) else {"": w}
         if any(not isinstance(v, int) or v < 0 for v in windows.values()):
             raise ValueError(f"within_steps: expected steps >= 0, got {self.within_steps!r}")
         unknown = [c for c in self.checkers if c not in CHECKERS]
@@ -408,11 +411,15 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
             if line.strip():
                 try:
                     r = json.loads(line)
-                    out.append((n, int(r["prompt_len"]), int(r["output_len"])))
+                    a, b = r["prompt_len"], r["output_len"]
                 except (ValueError, KeyError, TypeError):
+                    a = b = None
+                # whole numbers only: 2.7, true or Infinity is no length
+                if not all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)):
                     raise ScenarioError(
                         f'{path}:{n}: expected {{"prompt_len": int, "output_len": int}}'
-                    ) from None
+                    )
+                out.append((n, a, b))
     else:
         for n, row in enumerate(csv.reader(text.splitlines()), 1):
             if not row or (n == 1 and not row[0].strip().lstrip("+-").isdigit()):

@@ -19,6 +19,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
+from kvchaos.harness.scenario.options import PATH
+
 
 class Ledger:
     """One row per run, kept across nights: commit, scenario (name + JSON), seed, verdict,
@@ -265,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a ledger row's scenario as TOML (to re-run a soak run that kept no "
         "folder).",
     )
-    p.add_argument("ledger")
+    p.add_argument("ledger", type=PATH)
     p.add_argument("--row", type=int, required=True, help="the run's id in the ledger")
-    p.add_argument("--out", default="-", help="the TOML file to write (default: stdout)")
+    p.add_argument("--out", type=PATH, default="-", help="the TOML file to write (default: stdout)")
     a = p.parse_args(argv)
     from kvchaos.harness.scenario.toml_writer import dumps
 

@@ -421,6 +421,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
         "run_dir",
+        type=options.PATH,
         metavar="RUN_DIR",
         help="a run folder (holds results.json and scenario.toml/.json)",
     )

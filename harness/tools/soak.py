@@ -484,6 +484,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ledger",
+        type=options.PATH,
         default=None,
         metavar="PATH",
         help="SQLite seed ledger (default: REPORT_DIR/ledger.sqlite)",
