@@ -123,9 +123,10 @@ UNSTABLE_KEYS = frozenset(
 )
 
 
-# Events left out of the digest whole: the call log (a record of what the manager was asked, added
-# after runs were recorded without it: a run folder recorded before it replays IDENTICAL)
-DIGEST_SKIP = frozenset({"calls"})
+# Events left out of the digest whole: the call log and the unslotted writes (records added after
+# runs were recorded without them: a run folder recorded before them replays IDENTICAL; what they
+# record shows in the rest of the history too)
+DIGEST_SKIP = frozenset({"calls", "unslotted_write"})
 
 
 # Events whose nested dicts are keyed by request ids and the harness's own field names, never by
