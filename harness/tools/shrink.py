@@ -10,8 +10,9 @@ arrivals, fewer steps. Each candidate is one run (same seed and device, kept
 in memory only); it is kept when the verdict is the same, the original's primary fingerprint
 (see harness/tools/fingerprint.py) still shows, no new fingerprint appears, the run is no
 bigger (requests, steps) and the scenario is smaller. Writes RUN_DIR/minimal/scenario.toml and
-RUN_DIR/minimal/test_*.py and sets results.json's minimal_reproducer (the run's incident reports
-point to them).
+RUN_DIR/minimal/test_*.py, for a FAIL against the manager also test_*_calls.py (its calls, no
+engine: harness/tools/shrink_calls.py), and sets results.json's minimal_reproducer (the run's
+incident reports point to them).
 
 Exit codes: 0 shrunk (or already minimal), 1 the run does not reproduce, 2 bad input.
 """

@@ -199,7 +199,7 @@ def reproduce(
         return {"calls_note": f"the re-run logged no call {loc['index']} at step {loc['step']}"}
     cc = sc.engine_config().cache
     dims = (cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq)
-    text = f"{f['checker']}/{f.get('kind')}: {describe(loc)}"
+    text = f"{f['checker']}/{f.get('kind')} in the run: {describe(loc)}"
     ending = ending_of(factory, dims, calls, f, text)
     if ending is None:
         return {
