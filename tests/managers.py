@@ -177,6 +177,13 @@ class KeepsRefsOnPreempt(BlockManager):
         return True
 
 
+class AdmitAnswersPastItsTokens(BlockManager):
+    """admit answers more computed tokens than it was given (the boundary's BadAnswer)."""
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        return super().admit(seq_id, token_ids, num_new_tokens, max_computed) + len(token_ids) + 1
+
+
 class DoubleFreeGuard(BlockManager):
     """The pool's guard fires on the tenth release: "decref of free block (double free)"."""
 

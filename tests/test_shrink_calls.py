@@ -204,3 +204,32 @@ def test_shrink_writes_a_calls_file_that_fails_on_the_manager_and_passes_fixed(
     assert out.returncode == 1 and "1 failed, 1 passed" in report, report
     failed = re.findall(r"FAILED (\S+)::", report)
     assert len(failed) == 1 and failed[0].endswith(path.name), report
+
+
+def test_a_refusal_that_changes_the_manager_ends_in_the_snapshot_it_changed():
+    calls = [
+        c(1, "admit", "r1", [1, 2, 3, 4], 4, 3, answer=0),
+        c(1, "admit", "r2", list(range(28)), 28, 27, answer=0),
+        c(2, "append", "r1", list(range(40)), answer={"refused": "r1: the pool ran dry"}),
+    ]
+    finding = {"checker": "manager_calls", "kind": "refusal_changed_state"}
+    ending = ending_of(managers.NoRollback, DIMS, calls, finding, "manager_calls/x")
+    assert ending.kind == "refusal_changes"  # the blocks it took are held: no invariant breaks
+    text = write(calls, ending, "managers:NoRollback")
+    assert "before = m.snapshot().to_dict()" in text
+    err = run_source(text)
+    assert isinstance(err, AssertionError) and "refused, yet changed" in str(err), err
+    assert run_source(text, REFERENCE_IMPORT) is None
+
+
+def test_an_answer_the_protocol_does_not_allow_is_judged_as_the_boundary_judges_it():
+    calls = [
+        c(1, "admit", "r1", [1, 2], 2, 1, answer={"raised": "BadAnswer: answered 3: computed"}),
+    ]
+    finding = {"checker": "manager_calls", "kind": "exception"}
+    ending = ending_of(managers.AdmitAnswersPastItsTokens, DIMS, calls, finding, "manager_calls/x")
+    assert ending.kind == "raises"
+    text = write(calls, ending, "managers:AdmitAnswersPastItsTokens")
+    assert "got = m.admit('r1', [1, 2], 2, 1)" in text and "check_answer('admit', got," in text
+    assert type(run_source(text)).__name__ == "BadAnswer"
+    assert run_source(text, REFERENCE_IMPORT) is None

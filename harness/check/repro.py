@@ -178,11 +178,13 @@ def manager_import(spec: str, folder: str | None) -> list[str]:
 
 @dataclass(kw_only=True)
 class Ending:
-    """How the reproducer ends: the last call raising, or an invariant failing after it."""
+    """How the reproducer ends: the last call raising (or answering what the protocol does not
+    allow: BadAnswer), an invariant failing after it, or a refused last call changing the
+    snapshot."""
 
     kind: Literal["raises", "invariant", "refusal_changes"]
     invariant: str | None = None
-    finding: str  # "checker/kind at step N: what the run's localization said"
+    finding: str  # "checker/kind in the run: the call its localization names, and why"
 
 
 def source(
@@ -206,7 +208,7 @@ def source(
         lines += ["import pytest", ""]
     if ending.kind == "raises" and last.raised_type() == "BadAnswer":
         lines.append("from kvchaos.engine.boundary import check_answer")
-    if refusals or ending.kind == "refusal_changes":
+    if refusals:  # a refusal_changes ending is one too
         lines.append("from kvchaos.engine.errors import OutOfBlocks")
     lines += manager_import(spec, folder)
     lines += ["", "", f"def {test_name}():", f"    m = Manager{dims}"]
