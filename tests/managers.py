@@ -162,6 +162,28 @@ class LeavesRowsBehind(BlockManager):
         return done
 
 
+class KeepsRefsOnPreempt(BlockManager):
+    """release(seq, "preempted") drops the sequence and its row, but not its blocks' refs: a
+    preempted request's blocks stay referenced by no one."""
+
+    def release(self, seq_id, reason):
+        if reason != "preempted" or seq_id not in self.blocks:
+            return super().release(seq_id, reason)
+        blocks = self.blocks.pop(seq_id)
+        del self.num_tokens[seq_id]
+        row = self.rows.pop(seq_id)
+        self.table.clear(row, len(blocks))
+        self._free_rows.append(row)
+        return True
+
+
+class AdmitAnswersPastItsTokens(BlockManager):
+    """admit answers more computed tokens than it was given (the boundary's BadAnswer)."""
+
+    def admit(self, seq_id, token_ids, num_new_tokens, max_computed):
+        return super().admit(seq_id, token_ids, num_new_tokens, max_computed) + len(token_ids) + 1
+
+
 class DoubleFreeGuard(BlockManager):
     """The pool's guard fires on the tenth release: "decref of free block (double free)"."""
 

@@ -16,6 +16,7 @@ import pytest
 
 import kvchaos.harness.conformance.suite  # noqa: F401
 from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.harness.cli import main
 from kvchaos.harness.conformance.suite import run_conformance
 
@@ -64,8 +65,9 @@ def test_a_snapshot_that_lies_is_caught_with_a_shrunk_reproducer(manager):
     bad = [r for r in results.values() if r.status == "failed"]
     assert [r.name for r in bad] == ["snapshot"], [(r.name, r.message) for r in bad]
     r = bad[0]
-    assert r.shrunk and r.reproducer[0] == "state = BlockManagerConformance()"
-    assert r.reproducer[-1] == "state.teardown()" and len(r.reproducer) <= 6, r.reproducer
+    assert r.shrunk and r.reproducer[0].startswith(f"m = {manager.__name__}("), r.reproducer
+    assert r.reproducer[-1] == "# here snapshot fails" and len(r.reproducer) <= 6, r.reproducer
+    assert r.steps[0] == "state = BlockManagerConformance()"  # Hypothesis's own, kept
     if manager is managers.HidesSharing:  # only a fork shows the lie: the ref counts of two holders
         assert "ref count" in r.message and any("fork" in s for s in r.reproducer)
 
@@ -76,7 +78,7 @@ def test_the_command_prints_the_reproducer_and_exits_1(capsys):
     assert (
         re.search(r"(?m)^snapshot +FAILED ", out) and "snapshot FAILED: num_free_blocks says" in out
     )
-    assert "  reproducer (shrunk):\n    state = BlockManagerConformance()\n" in out
+    assert "  reproducer (shrunk, the calls into it):\n    m = StaleSnapshot(" in out
     assert (
         "kvchaos conformance --block-manager managers:StaleSnapshot --examples 50 --seed 0" in out
     )
@@ -89,7 +91,30 @@ def test_a_refusal_that_changes_the_manager_is_caught():
     assert [n for n, r in results.items() if r.status == "failed"] == ["refusal"]
     r = results["refusal"]
     assert "refused (OutOfBlocks), yet changed" in r.message and "num_free_blocks" in r.message
-    assert r.message.startswith("append(") and r.reproducer[-1] == "state.teardown()"
+    assert r.message.startswith("append(") and r.reproducer[-1] == "# here refusal fails"
+
+
+def test_the_reproducer_is_the_calls_into_the_manager_with_the_ids_the_failure_names():
+    """Not Hypothesis's rule steps (`state.append(seq=seq_0)`): the protocol calls, with the
+    sequence ids the message names, runnable as they are: made on a fresh manager, the last one
+    (the refused append) changes its snapshot, as the message says."""
+    r = run_conformance(managers.NoRollback, examples=100, shrink_steps=SHRINK)
+    (r,) = [x for x in r if x.status == "failed"]
+    *calls, end = r.reproducer
+    assert end == "# here refusal fails" and calls[0].startswith("m = NoRollback(")
+    assert all(c.startswith(("m.", "with pytest.raises(OutOfBlocks): m.")) for c in calls[1:])
+    assert not [c for c in calls if "state" in c or "seq_" in c], calls
+    named = re.findall(r"'(s\d+)'", r.message)
+    last = calls[-1]
+    assert named and last.startswith("with pytest.raises(OutOfBlocks): m.append(")
+    assert f"m.append('{named[0]}', " in last, (r.message, last)
+    started = {m for c in calls for m in re.findall(r"m\.(?:admit|fork)\((?:'s\d+', )?'(s\d+)'", c)}
+    assert set(named) <= started, (named, calls)
+    ns = {"pytest": pytest, "OutOfBlocks": OutOfBlocks, "NoRollback": managers.NoRollback}
+    exec("\n".join(calls[:-1]), ns)
+    before = ns["m"].snapshot().to_dict()
+    exec(last, ns)
+    assert ns["m"].snapshot().to_dict() != before
 
 
 @pytest.mark.parametrize(
@@ -175,7 +200,9 @@ def test_pytest_collects_one_item_a_property(pytester):
     # (decode batches among them: a sequence decodes after a snapshot); table_rows and resize are
     # judged before any snapshot; the plain reference (v2) has no prefix cache: two more skipped
     res.assert_outcomes(passed=5 + 2, failed=1, skipped=3 + 1 + 2)
-    res.stdout.fnmatch_lines(["*snapshot FAILED: num_free_blocks says*", "*reproducer (shrunk):*"])
+    res.stdout.fnmatch_lines(
+        ["*snapshot FAILED: num_free_blocks says*", "*reproducer (shrunk, the calls into it):*"]
+    )
     assert "test_mine" not in res.stdout.str()  # -m deselects the plain test, keeps the items
 
 

@@ -16,10 +16,11 @@ from kvchaos.engine.errors import OutOfBlocks
 
 
 class Violation(AssertionError):
-    """A property failed: its name, and what happened."""
+    """A property failed: its name, what happened, and the calls into the manager that led
+    there, as Python (`m = Manager(...)`, `m.admit('s1', [...], 3, 2)`, ...)."""
 
-    def __init__(self, prop: str, message: str) -> None:
-        self.prop = prop
+    def __init__(self, prop: str, message: str, calls: list[str] | None = None) -> None:
+        self.prop, self.calls = prop, list(calls or ())
         super().__init__(f"{prop}: {message}")
 
 
@@ -48,7 +49,8 @@ def guarded(target: bool = False):
 
 class Judging:
     """Judging properties and calling the manager, for the conformance machine
-    (kvchaos.harness.conformance.v2): set `enabled`, `tally`, `bm`, `stopped` and `resizes`."""
+    (kvchaos.harness.conformance.v2): set `enabled`, `tally`, `bm`, `stopped`, `resizes` and
+    `made` (the calls into the manager so far, as Python)."""
 
     def judge(self, prop: str, ok: bool, message) -> None:
         if self.tally is not None:
@@ -56,7 +58,7 @@ class Judging:
         if ok:
             return
         if prop in self.enabled:
-            raise Violation(prop, message())
+            raise Violation(prop, message(), self.made)
         raise Stopped  # a property known to fail: what follows would only show its consequences
 
     def call(self, shown: str, fn, *args, refusable: bool = False, **kw):
@@ -94,6 +96,7 @@ class Judging:
         free_rows = self.read("num_free_rows")
         shown = f"resize_table(rows={rows}, width={width})"
         self.resizes += 1
+        self.made.append(f"m.{shown}")
         self.call(shown, self.bm.resize_table, rows=rows, width=width)
         table = self.read("table")
         self.judge(

@@ -11,7 +11,8 @@ every holder's data; release is idempotent, for any reason; each snapshot passes
 makes of it against what the harness saw; with "own_table", its table rows after every call. A
 property that needs a capability the manager does not declare (prefix_cache, fork, seq_tokens,
 own_table, append_decode, ...) is reported "not applicable". A failure is shrunk to a short
-history of steps and printed. The same seed gives the same result. The same tests run
+history and printed as the calls into the manager that show it (`m.admit('s1', ...)`, with the
+sequence ids the failure names). The same seed gives the same result. The same tests run
 under pytest: `pytest --kvchaos-block-manager mypkg.bm:MyBlockManager` collects one item a
 property.
 
@@ -58,8 +59,11 @@ class PropertyResult:
     status: str  # "passed", "failed", "not exercised" (never judged) or "not applicable"
     judged: int = 0  # judgements made of it, over every history run
     message: str = ""
-    reproducer: list[str] = field(default_factory=list)  # the shrunk Hypothesis steps
+    # the shrunk history's calls into the manager, as Python: `m = Manager(8, 2, 12, 8)`, then
+    # `m.admit('s1', [0, 3], 2, 1)`, ... (the sequence ids the message names)
+    reproducer: list[str] = field(default_factory=list)
     shrunk: bool = True  # False: shrinking stopped at its step bound; a shorter one may exist
+    steps: list[str] = field(default_factory=list)  # the same history as Hypothesis's rule steps
 
 
 def _violation(error: BaseException) -> Violation | None:
@@ -154,7 +158,8 @@ def run_conformance(
             notes = getattr(v, "__notes__", None) or getattr(e, "__notes__", ())
             steps_ = [n for n in notes if n.startswith("state") or " = state." in n]
             cut = bound.cut or any("stopped because" in line for line in said)  # its 5 minutes
-            failed[v.prop] = (str(v).partition(": ")[2], steps_, not cut)
+            calls = [*v.calls, f"# here {v.prop} fails"]
+            failed[v.prop] = (str(v).partition(": ")[2], calls, not cut, steps_)
     out = []
     for name, (need, says) in props.items():
         if name not in judged:
@@ -171,7 +176,7 @@ def run_conformance(
 
 def describe_failure(r: PropertyResult) -> list[str]:
     how = "shrunk" if r.shrunk else "shrinking stopped at its step bound"
-    return [f"{r.name} FAILED: {r.message}", f"  reproducer ({how}):"] + [
+    return [f"{r.name} FAILED: {r.message}", f"  reproducer ({how}, the calls into it):"] + [
         f"    {line}" for line in r.reproducer
     ]
 

@@ -93,6 +93,7 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         self.step = 0
         self.resizes = 0
         self.prev: dict | None = None  # the last snapshot event (for writes into shared blocks)
+        self.made: list[str] = []  # the calls into the manager, as Python: the reproducer
 
     # -- the record ------------------------------------------------------------------------
     def extend(self, seq: str, tokens) -> None:
@@ -107,15 +108,23 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         self.tokens.setdefault(seq, []).extend(tokens)
 
     def answer(self, name: str, *args, refusable: bool = False):
-        """A v2 call; its answer held to what the engine's boundary accepts."""
+        """A v2 call; its answer held to what the engine's boundary accepts. Each is recorded in
+        `made` as Python (a read, block_ids, only when it is the one that fails)."""
         shown = describe(name, args)
-        out = self.call(shown, getattr(self.bm, name), *args, refusable=refusable)
+        line = f"m.{name}({', '.join(map(repr, args))})"
+        self.made.append(line)
         try:
+            out = self.call(shown, getattr(self.bm, name), *args, refusable=refusable)
             check_answer(name, out, args, self.bm.num_blocks)
+        except OutOfBlocks:
+            self.made[-1] = f"with pytest.raises(OutOfBlocks): {line}"
+            raise
         except BadAnswer as e:
             needs = PROPERTIES_V2.get(e.rule, ("-",))[0]  # a property this manager is judged on
             why, rule = str(e), e.rule if needs is None or needs in self.caps else "answers"
             self.judge(rule, False, lambda: f"{shown} {why}")
+        if name == "block_ids":  # a read: kept only when it is the one that fails
+            self.made.pop()
         self.after_call(name, args)
         return out
 
@@ -305,7 +314,9 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
         """The manager built on a pool of num_blocks of block_size (the setup rule's draw)."""
         self.num_blocks, self.bs = num_blocks, block_size
         args = (num_blocks, block_size, ROWS, num_blocks)
-        self.bm = self.call(f"the factory{args}", type(self).factory, *args)
+        factory = type(self).factory
+        self.made.append(f"m = {getattr(factory, '__qualname__', 'Manager')}{args}")
+        self.bm = self.call(f"the factory{args}", factory, *args)
         self.caps = capabilities(self.bm)
         self.reserved = set(getattr(self.bm, "reserved_blocks", ()))
         own = "own_table" in self.caps

@@ -10,8 +10,9 @@ arrivals, fewer steps. Each candidate is one run (same seed and device, kept
 in memory only); it is kept when the verdict is the same, the original's primary fingerprint
 (see harness/tools/fingerprint.py) still shows, no new fingerprint appears, the run is no
 bigger (requests, steps) and the scenario is smaller. Writes RUN_DIR/minimal/scenario.toml and
-RUN_DIR/minimal/test_*.py and sets results.json's minimal_reproducer (the run's incident reports
-point to them).
+RUN_DIR/minimal/test_*.py, for a FAIL against the manager also test_*_calls.py (its calls, no
+engine: harness/tools/shrink_calls.py), and sets results.json's minimal_reproducer (the run's
+incident reports point to them).
 
 Exit codes: 0 shrunk (or already minimal), 1 the run does not reproduce, 2 bad input.
 """
@@ -218,6 +219,7 @@ def _outcome(sc, data: dict, seed: int, device: str, timeout_s: float, setup: di
         "steps": r.results["steps"],
         "requests": (r.results.get("metrics") or {}).get("requests", 0),
         "summary": r.summary,
+        "results": r.results,  # the minimal run's: its calls reproducer (shrink_calls)
     }
 
 
@@ -405,9 +407,7 @@ def _update_results(run_dir: Path, results: dict, minimal: dict) -> None:
     results["minimal_reproducer"] = minimal
     if (run_dir / "history.jsonl").is_file():
         try:
-            from kvchaos.harness.report.render import (
-                write_reports,
-            )  # re-renders the incidents with the reproducer
+            from kvchaos.harness.report.render import write_reports  # the incidents again
 
             write_reports(run_dir, results, plots=True)  # keep the figure analyze drew
             return
@@ -440,6 +440,7 @@ def main(args) -> int:
     from kvchaos.harness.run.user_code import validate_manager
     from kvchaos.harness.tools.fingerprint import fingerprints
     from kvchaos.harness.tools.replay import load_run, recorded_setup
+    from kvchaos.harness.tools.shrink_calls import reproduce
 
     if args.max_runs < 1:
         raise ValueError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -474,16 +475,9 @@ def main(args) -> int:
     best, after, runs = shrink(
         data, seed, device, target, first, args.max_runs, timeout, print, setup
     )
-    minimal = write_outputs(
-        run_dir,
-        best,
-        seed,
-        target,
-        before,
-        {"requests": after["requests"], "steps": after["steps"]},
-        runs,
-        setup,
-    )
+    shrunk = {"requests": after["requests"], "steps": after["steps"]}
+    minimal = write_outputs(run_dir, best, seed, target, before, shrunk, runs, setup)
+    minimal.update(reproduce(best, seed, device, setup, after["results"], run_dir, minimal))
     _update_results(run_dir, results, minimal)
     print(f"before: {before['requests']} requests, {before['steps']} steps")
     print(
@@ -492,7 +486,8 @@ def main(args) -> int:
     )
     print(
         f"scenario: {minimal['scenario_path']}\ntest:     {minimal['test_path']}\n"
-        f"run it:   {minimal['command']}"
+        f"run it:   {minimal['command']}\ncalls:    "
+        + (minimal.get("calls_test_path") or f"none: {minimal.get('calls_note')}")
     )
     return 0
 
