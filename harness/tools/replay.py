@@ -28,7 +28,6 @@ from kvchaos.harness.history.log import (
     iter_history,
     stable_line,
 )
-from kvchaos.harness.run.door import DOOR_SCENARIO, door_run
 from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.scenario.managers import REFERENCES, canonical_spec
@@ -176,6 +175,7 @@ def replay(
 ) -> dict:
     """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}
     isolated: in a fresh worker with the fixed hash seed, as `kvchaos run` records runs."""
+    from kvchaos.harness.run.door import DOOR_SCENARIO, door_run  # (loads torch: not for --help)
     from kvchaos.harness.run.isolate import run, validate_isolated
 
     sc, _, results = load_run(run_dir)
