@@ -42,7 +42,6 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvchaos.engine.protocols import capabilities, declared_block_sizes
 from kvchaos.harness.conformance.common import Violation
 from kvchaos.harness.conformance.v2 import PROPERTIES_V2, ConformanceMachineV2, sized_setup
-from kvchaos.harness.run.door import door_run
 from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 from kvchaos.harness.scenario import options
 
@@ -266,6 +265,8 @@ def main(args) -> int:
     try:
         factory = validate_manager(args.block_manager)
     except SmokeFailure as failed:
+        from kvchaos.harness.run.door import door_run  # (loads torch: not for --help)
+
         r = door_run(failed, Path(args.report_dir))
         print(f"{r.verdict}: {r.summary}\nrun folder: {r.run_dir}\nreplay: {r.results['replay']}")
         return EXIT_DOOR_FAILED
