@@ -140,9 +140,7 @@ def _read(f: dict, events: list[dict]) -> Located | str | None:
     """A wrong read: the request that read it, through a hit (its admit) or not (the probes)."""
     ev = f.get("evidence") or {}
     if f["checker"] == "oracle_divergence":
-        read = next(
-            (e for e in events if e.get("e") == "kv_read" and e["req"] == ev.get("req")), None
-        )
+        read = _read_by(events, ev.get("req"))
         if read is None:
             return "no read of another request's KV recorded for it: see the structural findings"
         ev = {**read, "hit_step": _hit_step(events, read)}
@@ -153,6 +151,11 @@ def _read(f: dict, events: list[dict]) -> Located | str | None:
             loc["why"] = f"served block {ev.get('block')} to {ev['req']} as a hit, its KV {by}"
             return loc
     return None  # the probes: who was handed the block
+
+
+def _read_by(events: list[dict], req) -> dict | None:
+    """The first read of KV not written for req's tokens (the writer record's event)."""
+    return next((e for e in events if e.get("e") == "kv_read" and e["req"] == req), None)
 
 
 def _hit_step(events: list[dict], read: dict) -> int | None:
@@ -241,7 +244,7 @@ def by_holder(f: dict, probes: list[Probe], events: list[dict]) -> Located | str
     while the reader held it, else the writer's growth that should have copied it."""
     ev = f.get("evidence") or {}
     if f["checker"] == "oracle_divergence":
-        ev = next((e for e in events if e.get("e") == "kv_read" and e["req"] == ev.get("req")), ev)
+        ev = _read_by(events, ev.get("req")) or ev
     b, reader, writer, ws = ev.get("block"), ev.get("req"), ev.get("writer"), ev.get("writer_step")
     if b is None or writer is None or ws is None:
         return "the read names no writer: its block was never written"

@@ -6,7 +6,7 @@ nothing."""
 
 from __future__ import annotations
 
-from kvchaos.harness.check.localize import Located, Probe, describe, localize
+from kvchaos.harness.check.localize import Probe, describe, localize
 from kvchaos.harness.history.cache import cache_delta
 from kvchaos.harness.history.log import History, stable_line
 from kvchaos.harness.run.live import LiveRun
@@ -176,6 +176,3 @@ def summary(out: dict) -> list[str]:
         head = f"{f['checker']}/{f.get('kind')} at step {f['step']}"
         lines.append(f"{head}: {describe(got) if isinstance(got, dict) else 'no call: ' + got}")
     return lines
-
-
-__all__ = ["Located", "explain", "summary", "targets", "DEFAULT_BUDGET_STEPS"]
