@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 
 from kvchaos.harness.check.verdict import ERROR, EXIT_CODES, FAIL, MISSED, PASS
-from kvchaos.harness.report.paths import make_report_dir, report_dir_problem
+from kvchaos.harness.report.paths import make_report_dir, rel_command, report_dir_problem
 from kvchaos.harness.scenario import inputs, options
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import (
@@ -198,7 +198,8 @@ class Soak:
             "summary": r.summary,
             "steps": res.get("steps", 0),
             "digest": None if ended else res["history_digest"],  # a cut history: no digest
-            "command": res["replay"],
+            # results.json's paths are the report folder's (its runs/); the soak's reader's here
+            "command": rel_command(res["replay"], base=r.run_dir.parent),
             "fingerprints": fingerprints(res, job["scenario"].get("faults", [])),
             "ended": ended,
             "prefix_cache": (res.get("metrics") or {}).get("prefix_cache"),
