@@ -173,11 +173,21 @@ def copied(snap):
 
 
 def _own(v):
-    if isinstance(v, list):  # lists of ints at C speed; lists of lists or dicts (cache) deeper
-        return [_own(x) for x in v] if v and isinstance(v[0], (list, dict)) else list(v)
-    if isinstance(v, dict):
-        return {k: _own(x) if isinstance(x, (list, dict)) else x for k, x in v.items()}
+    """A field's copy, each container of the type it had (the checks judge the types)."""
+    if type(v) is list:
+        return [_entry(e) for e in v] if v and type(v[0]) is dict else v.copy()  # cache: dicts
+    if type(v) is dict:  # seq_blocks: lists; seq_rows, seq_tokens: ints
+        return {k: x.copy() if type(x) is list else x for k, x in v.items()}
     return v
+
+
+def _entry(e):
+    if type(e) is not dict:
+        return e
+    out = e.copy()
+    if type(out.get("tokens")) is list:
+        out["tokens"] = out["tokens"].copy()
+    return out
 
 
 def describe(call: str, args: tuple) -> str:

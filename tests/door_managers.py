@@ -35,10 +35,12 @@ class IdsOutsideThePool(PlainV2):
 
 
 class LiveSnapshot(PlainV2):
-    """snapshot() hands out its live free list, ref counts and block lists (no copies)."""
+    """snapshot() hands out its live free list, ref counts, block lists and token counts."""
 
     def snapshot(self):
-        return Snapshot(len(self.ref), self.free, self.ref, self.blocks, reserved=[0])
+        return Snapshot(
+            len(self.ref), self.free, self.ref, self.blocks, seq_tokens=self.tokens, reserved=[0]
+        )
 
 
 class LiveSnapshotLeaks(LiveSnapshot):

@@ -57,3 +57,12 @@ def test_an_admit_answer_over_max_computed_fails_the_run_naming_the_call():
     (f,) = [f for f in r.findings if f.checker == "manager_calls"]
     assert f.message.startswith("admit(") and "more computed tokens than max_computed" in f.message
     assert r.results["reason"] == "sut_error" and "admit(" in r.summary
+
+
+def test_conformance_judges_a_live_snapshot_as_it_was_at_the_call():
+    from kvchaos.harness.conformance.suite import run_conformance
+
+    ok = run_conformance(door_managers.LiveSnapshot, examples=30)
+    assert not [r for r in ok if r.status == "failed"], [(r.name, r.message) for r in ok]
+    bad = {r.name: r for r in run_conformance(door_managers.LiveSnapshotLeaks, examples=30)}
+    assert bad["snapshot"].status == "failed", bad["snapshot"]

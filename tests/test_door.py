@@ -170,3 +170,14 @@ def test_a_declaration_that_is_not_block_sizes_is_bad_input(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="block_sizes is '16', not a tuple of positive ints"):
         validate_manager("bm_sizes:Sizes")
+
+
+def test_conformance_judges_an_answer_over_max_computed_as_hit_over_cap():
+    import door_managers
+
+    from kvchaos.harness.conformance.suite import run_conformance
+
+    results = {r.name: r for r in run_conformance(door_managers.HitsOverTheCap, examples=30)}
+    over = results["hit_over_cap"]
+    assert over.status == "failed" and "more computed tokens than max_computed" in over.message
+    assert results["answers"].status == "passed"  # named by the property it breaks

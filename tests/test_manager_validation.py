@@ -1,7 +1,8 @@
 """A block manager is checked before any run: loaded, built on a tiny pool, its declaration of
 protocol v2 (one without it is refused, naming the migration table), its attributes and a smoke
-sequence (admit, append, fork, release, snapshot). Whatever is wrong is one line and exit 2 (in
-pytest, a usage error, never INTERNALERROR); a module of the current directory is importable.
+sequence (admit, append, fork, release, snapshot). What is not a manager is one line and exit 2
+(in pytest, a usage error, never INTERNALERROR); a smoke call that raises or answers wrongly is a
+FAIL run, exit 11; a module of the current directory is importable.
 And a manager that shares only full blocks (no copy-on-write) runs its forks to PASS: each fork
 it refuses becomes a fresh request."""
 

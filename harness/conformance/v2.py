@@ -27,7 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvchaos.engine.boundary import BadAnswer, check_answer, describe, state_change
+from kvchaos.engine.boundary import BadAnswer, check_answer, copied, describe, state_change
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.protocols import REASONS, capabilities
 from kvchaos.engine.tables import BuiltTable, OwnedTable
@@ -205,8 +205,9 @@ class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self):
-        """The manager's snapshot with the engine's table in it, as Engine.snapshot gives."""
-        snap = self.call("snapshot()", self.bm.snapshot)
+        """The manager's snapshot with the engine's table in it, as Engine.snapshot gives (and
+        copied, as the engine's boundary keeps it: live state may be handed out)."""
+        snap = copied(self.call("snapshot()", self.bm.snapshot))
         if not self.table.owned and hasattr(snap, "to_dict"):
             t = self.table.table
             snap.table, snap.table_width, snap.seq_rows = (

@@ -229,7 +229,7 @@ def _call(bm, calls: list, name: str, *args):
     said = {"call": shown, "answer": None}
     calls.append(said)
     try:
-        out = copied(getattr(bm, name)(*args))  # args are its own: the log keeps their text
+        out = copied(getattr(bm, name)(*args))  # a live snapshot: judged as it was at the call
     except OutOfBlocks as e:
         said["answer"] = f"refused: OutOfBlocks: {_line(e)}"
         return _REFUSED
@@ -245,7 +245,10 @@ def _call(bm, calls: list, name: str, *args):
 
 
 def _shown(answer) -> str:
-    text = repr(answer)
+    try:
+        text = repr(answer)
+    except Exception as e:  # the answer's own repr is not the smoke sequence's to judge
+        text = f"<{type(answer).__name__}: repr raised {type(e).__name__}>"
     return text if len(text) <= 200 else text[:197] + "..."
 
 
