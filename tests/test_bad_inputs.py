@@ -323,6 +323,18 @@ def test_pytest_refuses_an_escaping_name_at_collection(pytester):
     assert not [p for p in pytester.path.rglob("*") if "escape" in p.name and p.is_dir()]
 
 
+@pytest.mark.parametrize(
+    "value, expect",
+    [("", "'': an empty path"), (" ", "' ': an empty path"), ("/dev/null", "not a folder")],
+)
+def test_pytest_refuses_a_blank_or_unusable_report_dir_before_collecting(pytester, value, expect):
+    pytester.makefile(".toml", tiny=TINY)
+    result = pytester.runpytest(f"--kvchaos-report-dir={value}", "tiny.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--kvchaos-report-dir: *{expect}*"])
+    assert sorted(p.name for p in pytester.path.iterdir()) == ["tiny.toml"]
+
+
 def test_a_run_folder_is_always_inside_the_report_dir(tmp_path):
     from kvchaos.harness.run.runner import new_run_dir
     from kvchaos.harness.scenario.spec import ScenarioError
