@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, get_args
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal, get_args
+
+from typing_extensions import NotRequired, TypedDict  # pydantic takes typing's from 3.12 only
 
 if TYPE_CHECKING:
     from kvchaos.engine.engine import Engine
@@ -126,9 +128,28 @@ FRACTION = Num(float, ge=0, le=1)
 BOOL = Bool()
 
 
+class Touched(TypedDict):
+    requests: list[str]
+    rows: list[int]
+    blocks: list[int]
+
+
+class Truth(TypedDict):
+    """A fault's ground truth as verify() records it in run_end: the keys the verdict and the
+    fault's explains read (NotRequired: read with a default). A stored history is judged from it
+    alone, so `kvchaos analyze` checks it against this first; each fault adds its own keys."""
+
+    fired: bool
+    first_step: int | None
+    triggered: int
+    remediated: NotRequired[int]
+    touched: Touched
+
+
 class Fault:
     name: str = ""
     detectors: tuple[CheckerName, ...] = ()
+    truth: ClassVar[type] = Truth  # what verify() records that explains() reads
     root_cause: str = ""
     remediation: str = ""
     defaults: dict = {}

@@ -4,12 +4,26 @@ stale table for a step and writes/reads K/V at the wrong slots."""
 
 from __future__ import annotations
 
+from typing_extensions import NotRequired, TypedDict
+
+from kvchaos.faults import base
 from kvchaos.faults.base import FRACTION, STEP, Fault, Num, ParamError
+
+
+class StaleStep(TypedDict):
+    step: int
+    ranks: list[int]  # the ranks still on the old table
+    requests: list[str]  # the requests live then
+
+
+class Truth(base.Truth):
+    stale: NotRequired[list[StaleStep]]
 
 
 class OrderingRace(Fault):
     name = "ordering_race"
     detectors = ("cross_rank", "oracle_divergence")
+    truth = Truth
     root_cause = (
         "A rank computed before its block-table update had landed: no acknowledgement of the "
         "table version before compute, so it read a stale table and used the wrong KV slots."

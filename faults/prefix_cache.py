@@ -16,8 +16,11 @@ A victim is a request that READ the wrong KV, never a holder that merely shares 
 
 from __future__ import annotations
 
+from typing_extensions import NotRequired, TypedDict
+
 from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.engine.prefix_manager import PrefixCachingManager
+from kvchaos.faults import base
 from kvchaos.faults.base import COUNT, Fault, Num, OneOf, ParamError
 from kvchaos.faults.plan import Action
 
@@ -67,9 +70,40 @@ def weak_hash(parent, token_ids: tuple) -> int:
     return (sum(token_ids) + 31 * (parent or 0)) & 0xFFFF
 
 
+class AtBlock(TypedDict):
+    step: int
+    block: int
+
+
+class WrongHit(TypedDict):
+    step: int
+    req: str
+    blocks: list[int]
+
+
+class EvictedHeld(AtBlock):
+    holders: list[str]
+
+
+class Poisoned(TypedDict):
+    step: int
+    req: str
+
+
+class Truth(base.Truth):
+    not_applicable: NotRequired[str | None]
+    wrong_hits: NotRequired[list[WrongHit]]
+    evicted_held: NotRequired[list[EvictedHeld]]
+    poisoned: NotRequired[list[Poisoned]]
+    bad_entries: NotRequired[list[AtBlock]]
+    tainted_blocks: NotRequired[list[AtBlock]]
+    revived_queued: NotRequired[list[AtBlock]]
+
+
 class PrefixCache(Fault):
     name = "prefix_cache"
     detectors = ("kv_reads", "prefix_cache", "oracle_divergence", "block_accounting")
+    truth = Truth
     root_cause = "A prefix-cache hit served KV that was not computed for the request's tokens."
     remediation = "Serve a block only while its KV is the one its key names (see the variant)."
     any_manager = False  # its defects are switches of the reference pool

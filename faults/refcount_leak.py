@@ -3,15 +3,29 @@ cancelled sequence's blocks never return to the pool; under a cancel storm the p
 
 from __future__ import annotations
 
+from typing_extensions import NotRequired, TypedDict
+
+from kvchaos.faults import base
 from kvchaos.faults.base import FRACTION, Fault, ListOf, Num
 from kvchaos.faults.plan import Action
 
 PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
 
 
+class Leak(TypedDict):
+    step: NotRequired[int]
+    req: str
+    blocks: list[int]  # the blocks whose free was skipped
+
+
+class Truth(base.Truth):
+    leaks: NotRequired[list[Leak]]
+
+
 class RefcountLeak(Fault):
     name = "refcount_leak"
     detectors = ("block_accounting", "liveness")
+    truth = Truth
     root_cause = (
         "A cancel path returned without releasing the sequence's blocks: their reference counts "
         "never dropped, so they stayed out of the free pool with no live owner."

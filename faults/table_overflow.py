@@ -4,15 +4,23 @@ neighbour."""
 
 from __future__ import annotations
 
+from typing_extensions import NotRequired
+
+from kvchaos.faults import base
 from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num
 from kvchaos.faults.plan import Action
 
 REMEDIES = ("overlong_rejected", "table_resizes")  # the engine's answers to an over-long request
 
 
+class Truth(base.Truth):
+    overlong: NotRequired[list[str]]  # the requests only the missing bound check let in
+
+
 class TableOverflow(Fault):
     name = "table_overflow"
     detectors = ("table_integrity", "oracle_divergence")
+    truth = Truth
     root_cause = (
         "No bound check on the block-table index: a sequence longer than max_blocks_per_seq x "
         "block_size wrote its next block id at row * width + index with index >= width, i.e. "

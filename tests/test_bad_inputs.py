@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,7 @@ CASES = _cases()
 CLASSES = (
     "name- size- seeds- seed- timeout- device- world-size- report-dir- file- scenario-".split()
 )
-CLASSES += ["analyze-", "replay-", "shrink-"]
+CLASSES += ["analyze-", "replay-", "shrink-", "float-", "length-", "expect-", "path-"]
 
 
 # -- preparations a case names (setup = ...) -----------------------------------------------------
@@ -196,6 +198,30 @@ def _run_folder(work: Path, case: dict) -> None:
         (run / name).unlink()
 
 
+def _under_rlimit_as(argv: list[str], limit: int, cwd: Path) -> tuple[int, str, str]:
+    """The command in a process of its own, its address space capped as `ulimit -v` does: the
+    memory estimate must see the cap, and refuse before anything big is allocated."""
+    import resource
+
+    if min(footprint.host_limits())[0] < limit:
+        pytest.skip("this machine has less memory than the cap: the cap is not what refuses")
+    path = os.pathsep.join(filter(None, [str(REPO.parent), os.environ.get("PYTHONPATH")]))
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    p = subprocess.run(
+        [sys.executable, "-m", "kvchaos", *argv],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path},
+        preexec_fn=cap,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
 def _tree(root: Path, skip: Path) -> dict[str, tuple]:
     """Every path under root but skip, with what would show a change."""
     out = {}
@@ -261,11 +287,14 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing_outside_the_report_dir(
     before, runs_before = _tree(root, skip=reports), _run_folders(reports)
     repo_reports = set(os.listdir(REPO / "reports")) if (REPO / "reports").is_dir() else set()
 
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse
-        rc = e.code
-    out, err = capsys.readouterr()
+    if "rlimit_as" in case:
+        rc, out, err = _under_rlimit_as(argv, case["rlimit_as"], work)
+    else:
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse
+            rc = e.code
+        out, err = capsys.readouterr()
 
     assert rc == 2, (out, err)
     assert err.count("\n") == 1 and err.endswith("\n") and err.startswith("kvchaos"), err
@@ -294,6 +323,18 @@ def test_pytest_refuses_an_escaping_name_at_collection(pytester):
     assert not [p for p in pytester.path.rglob("*") if "escape" in p.name and p.is_dir()]
 
 
+@pytest.mark.parametrize(
+    "value, expect",
+    [("", "'': an empty path"), (" ", "' ': an empty path"), ("/dev/null", "not a folder")],
+)
+def test_pytest_refuses_a_blank_or_unusable_report_dir_before_collecting(pytester, value, expect):
+    pytester.makefile(".toml", tiny=TINY)
+    result = pytester.runpytest(f"--kvchaos-report-dir={value}", "tiny.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--kvchaos-report-dir: *{expect}*"])
+    assert sorted(p.name for p in pytester.path.iterdir()) == ["tiny.toml"]
+
+
 def test_a_run_folder_is_always_inside_the_report_dir(tmp_path):
     from kvchaos.harness.run.runner import new_run_dir
     from kvchaos.harness.scenario.spec import ScenarioError
@@ -316,8 +357,12 @@ def test_sizes_are_judged_against_the_memory_really_available(monkeypatch):
     need, have = (
         float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) GiB", str(e.value))[::2]
     )
-    assert need > 10_000 and "available host RAM" in str(e.value)
-    assert have == pytest.approx(psutil.virtual_memory().available / footprint.GiB, abs=2.0)
+    least, words = footprint.available("cpu")  # free RAM, or a limit of this process if less
+    assert need > 10_000 and f"GiB {words}" in str(e.value)
+    assert have == pytest.approx(least / footprint.GiB, abs=2.0)
+    ram = footprint.host_limits()[0]  # (free memory moves between two looks: within a GiB)
+    assert ram[1] == "available host RAM" and least <= ram[0] + footprint.GiB
+    assert ram[0] == pytest.approx(psutil.virtual_memory().available, abs=2 * footprint.GiB)
     for sc in builtin_scenarios():  # the estimate refuses nothing real: each fits in 64 MiB
         assert sum(p.bytes for p in footprint.estimate(sc)) < 64 * 2**20, sc.name
 
@@ -353,3 +398,62 @@ def test_analyze_of_a_cut_short_history_is_an_error_analysis_naming_what_is_miss
     assert main(["analyze", str(run), "--no-plots"]) == 13
     out, err = capsys.readouterr()
     assert err == "" and "ERROR" in out and "no run_end event: the run was cut short" in out
+
+
+def test_a_cgroup_memory_limit_is_read_along_the_process_path(tmp_path):
+    """v2 (memory.max) and v1 (memory.limit_in_bytes): the tightest limit on the way up, less the
+    usage without reclaimable page cache; a folder the mount does not show is skipped."""
+    v2 = tmp_path / "v2"
+    for d, limit, current in (("", "max", 9 << 30), ("job", str(4 << 30), 3 << 30)):
+        (v2 / d).mkdir(parents=True, exist_ok=True)
+        (v2 / d / "memory.max").write_text(limit + "\n")
+        (v2 / d / "memory.current").write_text(f"{current}\n")
+        (v2 / d / "memory.stat").write_text(f"anon 1\ninactive_file {1 << 30}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step_0\n")  # step_0 is not shown: its parent's limit holds
+    [(left, words)] = footprint.cgroup_limits(v2, proc)
+    assert left == (4 << 30) - (3 << 30) + (1 << 30)
+    assert words == f"left under the cgroup memory limit ({v2 / 'job' / 'memory.max'}: 4.0 GiB)"
+
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("1\n")
+    proc.write_text("4:memory:/x\n1:cpu:/x\n")
+    assert footprint.cgroup_limits(v1, proc) == []
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    assert footprint.cgroup_limits(v1, proc)[0][0] == (2 << 30) - 1
+    assert footprint.cgroup_limits(tmp_path / "none", tmp_path / "no-proc-file") == []
+
+
+def test_every_fault_explains_any_finding_on_the_least_truth_its_type_allows():
+    """What a fault's explains reads with [] its Truth requires: on the least truth that passes
+    the check analyze makes (every NotRequired key left out), no finding makes it raise."""
+    from types import SimpleNamespace
+
+    from typing_extensions import NotRequired, get_origin, get_type_hints, is_typeddict
+
+    from kvchaos.faults import REGISTRY
+    from kvchaos.faults.base import CHECKER_NAMES
+    from kvchaos.harness.check.verdict import truth_problem
+
+    def least(td) -> dict:  # (the modules' postponed annotations hide NotRequired from typing)
+        hints = get_type_hints(td, include_extras=True)
+        required = {k: h for k, h in hints.items() if get_origin(h) is not NotRequired}
+        return {k: least(h) if is_typeddict(h) else [] for k, h in required.items()}
+
+    evidence = {"req": "r0", "owner": "r0", "row": 0, "block": 1, "blocks": [1], "rank": 0}
+    evidence |= {"ranks": [0], "writers": ["r0"], "parent_block": 0, "origin": "r0"}
+    kinds = [None, "leak", "refcount", "end_leak", "starvation", "foreign_write", "wrong_read"]
+    kinds += ["poisoned_read", "cache_content", "hit_blocks", "conservation", "divergence"]
+    for name, fault in REGISTRY.items():
+        truth = {**least(fault.truth), "fired": True, "first_step": 0, "triggered": 1}
+        assert sorted(truth) == ["fired", "first_step", "touched", "triggered"], name
+        sc = SimpleNamespace(faults=[SimpleNamespace(name=name)])
+        assert truth_problem(sc, {name: truth}) is None, name
+        assert "touched" in truth_problem(sc, {name: {**truth, "touched": 1}}), name
+        for checker in CHECKER_NAMES:
+            for kind in kinds:
+                for ev in ({}, evidence):
+                    finding = {"checker": checker, "step": 3, "kind": kind, "evidence": ev}
+                    assert fault.explains(finding, truth) in (None, "cause", "consequence")

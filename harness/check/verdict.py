@@ -82,6 +82,33 @@ def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
     return out
 
 
+def truth_problem(sc, verify) -> str | None:
+    """What a stored run's ground truth (run_end's fault_verify) lacks for sc's verdict, in words,
+    or None: each fault of sc has its entry, shaped as the fault's Truth declares, and a defect
+    that fired says when. Judged otherwise, a finding it cannot credit would read as a bug."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from kvchaos.faults import REGISTRY
+
+    if verify is None:
+        return "no fault_verify (each fault's ground truth)"
+    if not isinstance(verify, dict):
+        return f"fault_verify: expected an object, got {type(verify).__name__}"
+    for f in sc.faults:
+        if f.name not in verify:
+            return f"fault_verify: no {f.name!r} entry (the scenario's fault {f.name})"
+        try:
+            truth = TypeAdapter(REGISTRY[f.name].truth).validate_python(verify[f.name], strict=True)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in ("fault_verify", f.name, *err["loc"]))
+            got = "" if err["type"] == "missing" else f", got {err['input']!r:.40}"
+            return f"{where}: {err['msg'].lower()}{got}"
+        if truth["fired"] and truth["first_step"] is None:
+            return f"fault_verify.{f.name}: fired, but first_step is null"
+    return None
+
+
 def _named(name: str, verify: dict) -> str:
     why = verify.get("not_applicable")
     return f"{name} ({why})" if why else name

@@ -11,7 +11,7 @@ from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.localize import carry_calls
 from kvchaos.harness.check.metrics import run_metrics
-from kvchaos.harness.check.verdict import EXIT_CODES, current
+from kvchaos.harness.check.verdict import EXIT_CODES, current, truth_problem
 from kvchaos.harness.history.log import check_history, deterministic_digest, read_history
 from kvchaos.harness.history.results import read_results
 from kvchaos.harness.report.index import update_index
@@ -64,7 +64,12 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
             "message": "history.jsonl has no run_end event: the run was cut short",
             "traceback": "",
         }
-    verify = v.end["fault_verify"] if v.end else {}
+    verify = v.end.get("fault_verify") if v.end else {}
+    if v.end and (problem := truth_problem(sc, verify)):  # what the verdict is judged from
+        raise KVChaosError(
+            f"{run_dir / 'history.jsonl'}: run_end: {problem}: the ground truth is partial, so "
+            "which findings the faults explain cannot be judged"
+        )
     checks, verdict = evaluate(sc, events, verify, error)
     seed = v.start.get("seed", stored.get("seed"))
     device = v.start.get("device", stored.get("device", "cpu"))
@@ -79,7 +84,9 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
         "config_hash": v.start.get("config_hash", stored.get("config_hash")),
         "device": device,
         "steps": v.last_step,
-        "reason": v.end["reason"] if v.end else ("sut_error" if ended_by_manager else "error"),
+        "reason": v.end.get("reason", "?")
+        if v.end
+        else ("sut_error" if ended_by_manager else "error"),
         "error": stored.get("error") if stored.get("error") and error else error,
         "expectation": sc.expect.model_dump(),
         "time_to_detect_steps": verdict.time_to_detect,

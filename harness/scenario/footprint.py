@@ -132,17 +132,23 @@ def host_limits() -> list[tuple[int, str]]:
     except ImportError:  # not on this platform (Windows)
         return out
     mem = psutil.Process().memory_info()
-    for limit, used, words in (
-        (resource.RLIMIT_AS, mem.vms, "the address-space limit (ulimit -v"),
-        (resource.RLIMIT_DATA, getattr(mem, "data", mem.vms), "the data-size limit (ulimit -d"),
+    for limit, used, what, flag in (
+        (resource.RLIMIT_AS, mem.vms, "the address-space limit", "ulimit -v"),
+        (resource.RLIMIT_DATA, getattr(mem, "data", mem.vms), "the data-size limit", "ulimit -d"),
     ):
         soft = resource.getrlimit(limit)[0]
         if soft != resource.RLIM_INFINITY:
-            out.append((max(0, soft - used), f"left under {words} {_gib(soft)})"))
+            out.append((max(0, soft - used), f"left under {what} ({flag} {_gib(soft)})"))
     return out + cgroup_limits()
 
 
 CGROUP = Path("/sys/fs/cgroup")
+# per version: (the limit, the usage, the page cache memory.stat counts that the kernel reclaims
+# before it refuses memory, so not counted as used)
+CGROUP_FILES = {
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge page-rounded number
 
 
@@ -153,8 +159,7 @@ def _read(p: Path) -> str | None:
         return None
 
 
-def _inactive_file(stat: str | None, key: str) -> int:
-    """Page cache the kernel reclaims before it refuses memory: not counted as used."""
+def _stat(stat: str | None, key: str) -> int:
     for line in (stat or "").splitlines():
         name, _, value = line.partition(" ")
         if name == key and value.isdigit():
@@ -173,27 +178,20 @@ def cgroup_limits(root: Path = CGROUP, proc: Path = Path("/proc/self/cgroup")) -
             continue
         controllers, path = fields[1], fields[2]
         if controllers == "":  # v2: one hierarchy, at the mount's root
-            base, files = root, ("memory.max", "memory.current", "inactive_file")
+            base, files = root, CGROUP_FILES["v2"]
         elif "memory" in controllers.split(","):
-            base, files = (
-                root / "memory",
-                (
-                    "memory.limit_in_bytes",
-                    "memory.usage_in_bytes",
-                    "total_inactive_file",
-                ),
-            )
+            base, files = root / "memory", CGROUP_FILES["v1"]
         else:
             continue
         d = base / path.lstrip("/")
         while True:
             limit, usage = _read(d / files[0]), _read(d / files[1])
             if limit and limit.isdigit() and int(limit) < UNLIMITED and usage and usage.isdigit():
-                used = int(usage) - _inactive_file(_read(d / "memory.stat"), files[2])
+                used = int(usage) - _stat(_read(d / "memory.stat"), files[2])
                 left = max(0, int(limit) - max(0, used))
                 if best is None or left < best[0]:
-                    words = f"left under the cgroup memory limit ({d / files[0]}: "
-                    best = (left, words + f"{_gib(int(limit))})")
+                    where = f"{d / files[0]}: {_gib(int(limit))}"
+                    best = (left, f"left under the cgroup memory limit ({where})")
             if d == base or not d.is_relative_to(base):
                 break
             d = d.parent

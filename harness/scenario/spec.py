@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python 3.10
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
 from kvchaos.faults.base import CHECKER_NAMES
-from kvchaos.harness.scenario import footprint
+from kvchaos.harness.scenario import footprint, inputs
 from kvchaos.harness.scenario.inputs import check_seed
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "scenarios"
@@ -120,6 +120,11 @@ class Workload(_Strict):
     fork_extra_tokens: int = Field(4, ge=0)
     cancel: CancelSpec = CancelSpec()
     prefix: PrefixSpec | None = None  # absent: no shared prefixes
+
+    @field_validator("lengths_file")
+    @classmethod
+    def _lengths_file(cls, path: str | None) -> str | None:
+        return None if path is None else inputs.path(path)
 
 
 class FaultSpec(_Strict):
@@ -351,7 +356,7 @@ def load_scenario(path: str | Path, device: str | None = None) -> Scenario:
         else None
     )
     if (
-        isinstance(lf, str) and not Path(lf).is_absolute()
+        isinstance(lf, str) and lf.strip() and not Path(lf).is_absolute()
     ):  # relative to the scenario file, not the cwd
         data["workload"]["lengths_file"] = str(p.parent / lf)
     return parse_scenario(data, str(p), device)
