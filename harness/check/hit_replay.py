@@ -9,7 +9,7 @@ tokens = prompt + what it generated), when it left it (finished, cancelled, pree
 timeline the replay admits with every known token at once, keys a request's prompt blocks once
 its prefill is done (the step it produced its first token) and each generated token's block as
 it is computed, and releases as the run released. A forked child sharing its parent's blocks is
-not admitted (as in the run) and its blocks are not replayed. The replay is checked against the
+not admitted (as in the run): the reference forks it too. The replay is checked against the
 engine's own counts (admissions, known tokens): when they differ it did not see the run's
 admissions, and the comparison is not judged.
 """
@@ -65,9 +65,17 @@ class _Replay:
         req, parent = ev["req"], ev.get("parent")
         self.tokens[req] = list(ev["prompt_ids"])
         full = self.max_seqs is not None and len(self.running) >= self.max_seqs
-        if parent is not None and self.forks and parent in self.running and not fork_refused:
-            if not full:  # shares its parent's blocks: running, never admitted
-                self.running.add(req)
+        if parent is None or not self.forks or parent not in self.running or fork_refused or full:
+            return
+        # shares its parent's blocks: running, never admitted; it computes what the parent had
+        # not (its last token) and its own extra tokens
+        self.running.add(req)
+        if parent in self.held:
+            self.ref.fork(parent, req)
+            self.held.add(req)
+        done = len(self.tokens[parent]) - 1
+        if len(self.tokens[req]) - done > 1:
+            self.done[req] = done
 
     def admit(self, step: int, req: str) -> None:
         known = self.tokens[req]
@@ -75,6 +83,7 @@ class _Replay:
         self.known += len(known)
         self.running.add(req)
         self.done[req] = self.used.get((step, req), 0)
+        self.hit[req] = 0
         try:  # the smallest reservation; the prefill's chunks grow it as the run computed them
             self.hit[req] = self.ref.admit(req, known, 1, len(known) - 1)
             self.hits += self.hit[req]
