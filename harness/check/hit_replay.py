@@ -114,14 +114,19 @@ class _Replay:
                     self.refused += 1
                     self.release(req)
                     self.running.add(req)
-        budget = self.budget
+        budget, left = self.budget, ev["prefill_tokens"]  # given out, and what was computed
         for req in live:  # in the running list's order, as the scheduler gives out its budget
-            if req not in self.running:
+            new = req not in self.running
+            if new:
                 self.admit(t, req)
             if req in self.done:
-                n = len(self.tokens[req])
-                done = n if req in out else min(n - 1, self.done[req] + (budget or n))
-                budget = None if budget is None else max(0, budget - (done - self.done[req]))
+                n, was = len(self.tokens[req]), self.done[req]
+                # a chunk takes min(uncomputed, budget) of the budget; an admission's hit only
+                # shortens what it computes
+                take = min(n if new else n - was, budget)
+                budget -= take
+                done = n if req in out else min(n - 1, was + take, was + left)
+                left -= done - was
                 self.done[req] = done
                 if req in self.held:
                     self._reach(req, done)
