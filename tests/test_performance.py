@@ -93,3 +93,13 @@ def test_analyze_finds_the_same_and_the_prompt_ids_stay_out_of_the_digest(cache_
         e.pop("prompt_ids")  # a history recorded before them: the cache is not compared
     pc = judge_performance(events)["prefix_cache"]
     assert not pc["judged"] and "prompt ids" in pc["why"]
+
+
+def test_the_soak_summary_counts_the_warnings_by_kind():
+    from kvchaos.harness.tools.soak_html import perf_html
+    from kvchaos.harness.tools.soak_summary import perf_line
+
+    assert perf_line([]) == perf_html(None) == "none"
+    perf = [{"kind": "hit_rate", "runs": 2, "first_seed": 5, "first_link": "runs/x/report.html"}]
+    assert perf_line(perf).startswith("hit_rate in 2 runs (first seed 5)")
+    assert 'href="runs/x/report.html"' in perf_html(perf)

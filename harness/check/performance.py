@@ -46,11 +46,17 @@ def _engine(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e.get("e") == "engine" and e.get("kind") == kind]
 
 
+def _audited(events: list[dict]) -> bool:
+    """The engine audits a manager offering estimates (kvchaos.engine.audit)."""
+    start = next((e for e in events if e.get("e") == "run_start"), {})
+    return "estimates" in start.get("capabilities", ())
+
+
 def preemptions(events: list[dict]) -> tuple[dict, PerfFinding | None]:
     total = sum(len(e.get("preempted", ())) for e in events if e.get("e") == "step")
     found = _engine(events, "unneeded_preemption")
     by = {w: sum(e["data"]["why"] == w for e in found) for w in ("estimate", "refusal")}
-    summary = {"total": total, "unneeded": len(found), "by": by}
+    summary = {"judged": _audited(events), "total": total, "unneeded": len(found), "by": by}
     if not found:
         return summary, None
     first = found[0]
@@ -68,7 +74,8 @@ def preemptions(events: list[dict]) -> tuple[dict, PerfFinding | None]:
 def estimates(events: list[dict]) -> tuple[dict, PerfFinding | None]:
     found = _engine(events, "estimate_off")
     over = sum(e["data"]["estimate"] > e["data"]["took"] for e in found)
-    summary = {"off": len(found), "over": over, "under": len(found) - over}
+    summary = {"judged": _audited(events), "off": len(found), "over": over}
+    summary["under"] = len(found) - over
     if not found:
         return summary, None
     first = found[0]
@@ -80,7 +87,7 @@ def estimates(events: list[dict]) -> tuple[dict, PerfFinding | None]:
         f"{d['call']} of {d['tokens']} token(s) for {', '.join(d['seqs'][:3])} estimated "
         f"{d['estimate']}, took {d['took']})",
         "step": first["step"],
-        "evidence": {"first": d, **summary},
+        "evidence": {"first": d, "over": over, "under": len(found) - over},
     }
 
 
