@@ -9,7 +9,8 @@ the blocks the new positions add: Engine.estimate): any admit or append may be r
 (OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve blocks). The
 scheduler then does what a serving scheduler does: a decode sequence that cannot grow preempts the
 newest running request (itself, if it is the newest); a request whose first chunk is refused goes
-back to wait, in order; a later prefill chunk that is refused waits a step."""
+back to wait, in order; a later prefill chunk that is refused waits a step. Its audit
+(engine/audit.py) holds the plan's estimates against what the calls then took."""
 
 from __future__ import annotations
 
