@@ -9,12 +9,14 @@ the blocks the new positions add: Engine.estimate): any admit or append may be r
 (OutOfBlocks), as real managers refuse (they preallocate, keep a watermark, reserve blocks). The
 scheduler then does what a serving scheduler does: a decode sequence that cannot grow preempts the
 newest running request (itself, if it is the newest); a request whose first chunk is refused goes
-back to wait, in order; a later prefill chunk that is refused waits a step."""
+back to wait, in order; a later prefill chunk that is refused waits a step. Its audit
+(engine/audit.py) holds the plan's estimates against what the calls then took."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from kvchaos.engine.audit import Audit
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.sequence import Sequence, State
 
@@ -24,6 +26,7 @@ class Scheduler:
         self.engine = engine
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.audit = Audit(engine)  # the plan's estimates against what the calls took
 
     # -- the queues ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -45,6 +48,7 @@ class Scheduler:
         """Back to wait, first in line, recomputing from scratch; the engine takes its blocks
         back (why: "preempt", or "error" for a failed step)."""
         self.running.remove(seq)
+        self.audit.release(seq)
         self.engine.preempted(seq, why)
         seq.state, seq.num_computed = State.PREEMPTED, 0
         self.waiting.appendleft(seq)
@@ -55,6 +59,7 @@ class Scheduler:
     # -- a step --------------------------------------------------------------------------------
     def schedule(self) -> tuple[list, list, list[str]]:
         """Returns decode sequences, prefill chunks (sequence, tokens) and the preempted ids."""
+        self.audit.begin()
         decode, prefill, preempted = self._plan()
         while not decode and not prefill and len(self.running) > 1:
             # Every running sequence is stuck mid-prefill on a full pool: free the newest.
@@ -64,15 +69,21 @@ class Scheduler:
             preempted = preempted + [victim.id] + more
         return decode, prefill, preempted
 
+    def _estimate(self, s: Sequence, n: int) -> int:
+        need = self.engine.estimate(s, n)
+        self.audit.asked(s, n, need)
+        return need
+
     def _plan(self) -> tuple[list, list, list[str]]:
         engine = self.engine
-        bm, budget, estimate = engine.bm, engine.config.max_prefill_tokens, engine.estimate
+        bm, budget, estimate = engine.bm, engine.config.max_prefill_tokens, self._estimate
         preempted: list[str] = []
         decode = [s for s in self.running if s.uncomputed == 1]
         # Make room for one token per decoding sequence, preempting the newest first.
         need = sum(estimate(s, 1) for s in decode)
-        while decode and need > bm.num_free_blocks:
+        while decode and need > (free := bm.num_free_blocks):
             victim = self.running[-1]
+            self.audit.preempting("estimate", free, decode, victim)
             self.preempt(victim)
             preempted.append(victim.id)
             if victim in decode:
@@ -107,11 +118,14 @@ class Scheduler:
     def reserve(self, decode: list, prefill: list, preempted: list[str]):
         """Appends for the step's decode sequences and prefill chunks. Returns what may run:
         (decode, prefill, copy-on-write copies). Sequences preempted here join `preempted`."""
-        engine = self.engine
+        engine, audit = self.engine, self.audit
         bm, sync = engine.bm, engine.table.sync
         if decode and "append_decode" in engine.capabilities:
             try:  # the batched fast path; all or nothing
+                before = bm.num_free_blocks if audit.on else 0
                 copies = bm.append_decode([s.id for s in decode], [s.tokens[-1] for s in decode])
+                if audit.on:
+                    audit.grew("append_decode", decode, 1, before, bm.num_free_blocks, copies)
                 for s in decode:
                     sync(s.id, copied=bool(copies))
                 return self._prefill(decode, prefill, copies)
@@ -124,13 +138,18 @@ class Scheduler:
                 continue  # preempted to make room for an earlier one
             while True:
                 try:
+                    before = bm.num_free_blocks if audit.on else 0
                     copies[s.id] = bm.append(s.id, [s.tokens[-1]])
+                    if audit.on:
+                        audit.grew("append", [s], 1, before, bm.num_free_blocks, copies[s.id])
                     sync(s.id, copied=bool(copies[s.id]))
                     kept.append(s)
                     break
                 except OutOfBlocks as no:
                     engine.refused("append", s.id, 1, no)
                     victim = self.running[-1]
+                    if audit.on:
+                        audit.preempting("refusal", bm.num_free_blocks, [s], victim)
                     self.preempt(victim)
                     preempted.append(victim.id)
                     copies.pop(victim.id, None)
@@ -142,7 +161,7 @@ class Scheduler:
         return self._prefill(kept, prefill, [c for cs in copies.values() for c in cs])
 
     def _prefill(self, decode: list, prefill: list, copies: list):
-        engine = self.engine
+        engine, audit = self.engine, self.audit
         bm, table, ran, back = engine.bm, engine.table, [], []
         for s, n in prefill:
             try:
@@ -158,7 +177,10 @@ class Scheduler:
                     table.sync(s.id)
                     ran.append((s, have - h))
                 else:
+                    before = bm.num_free_blocks if audit.on else 0
                     got = bm.append(s.id, s.tokens[s.num_computed : s.num_computed + n])
+                    if audit.on:
+                        audit.grew("append", [s], n, before, bm.num_free_blocks, got)
                     table.sync(s.id, copied=bool(got))
                     copies += got
                     ran.append((s, n))
@@ -171,4 +193,5 @@ class Scheduler:
             self.running.remove(s)
             s.state = State.WAITING
             self.waiting.appendleft(s)
+        audit.settle()
         return decode, ran, copies

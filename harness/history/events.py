@@ -45,6 +45,7 @@ class _Submit(TypedDict):
 
 class Submit(_Submit, total=False):
     turn_of: str  # a turn only: the request whose prompt and output its prompt continues
+    prompt_ids: list[int]  # with a prefix cache: the prompt the manager is given (not digested)
 
 
 class Reject(TypedDict):
@@ -139,7 +140,8 @@ class SnapshotInvalid(TypedDict):
 class Engine(TypedDict):
     e: Literal["engine"]
     step: int
-    kind: str  # cow | staging_realloc | hit | refusal | table_resync | ...
+    # cow | staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption
+    kind: str
     data: dict[str, Any]  # a hit: req, known, answered, used, capped, blocks
 
 

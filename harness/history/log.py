@@ -49,7 +49,8 @@ class History:
             self._f = None
 
     def digest(self) -> str:
-        """Hash of everything deterministic in the history (UNSTABLE_KEYS left out)."""
+        """Hash of everything deterministic in the history (UNSTABLE_KEYS and RESTATED_KEYS left
+        out)."""
         return self._hash.hexdigest()
 
 
@@ -129,6 +130,13 @@ UNSTABLE_KEYS = frozenset(
 DIGEST_SKIP = frozenset({"calls", "unslotted_write"})
 
 
+# Fields recorded for what reads the history that restate what the digest covers already, left
+# out of it so that digests of runs recorded before them still compare: a submit's prompt ids (the
+# plan's, for the scenario and the seed; the performance check replays them).
+RESTATED_KEYS = frozenset({"prompt_ids"})
+_SKIPPED = UNSTABLE_KEYS | RESTATED_KEYS  # what the digest leaves out
+
+
 # Events whose nested dicts are keyed by request ids and the harness's own field names, never by
 # an unstable key (a step's are top-level): the biggest and most frequent events of a run (a step
 # and a snapshot each step) skip the nested scan.
@@ -136,13 +144,11 @@ FLAT_STABLE = frozenset({"snapshot", "step"})
 
 
 def _stable(d: dict) -> dict:
-    return {
-        k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in UNSTABLE_KEYS
-    }
+    return {k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in _SKIPPED}
 
 
 def _has_unstable(d: dict) -> bool:
-    return not UNSTABLE_KEYS.isdisjoint(d) or any(
+    return not _SKIPPED.isdisjoint(d) or any(
         _has_unstable(v) for v in d.values() if isinstance(v, dict)
     )
 
@@ -153,16 +159,16 @@ _encode = json.JSONEncoder(
 
 
 def _stable_part(event: dict) -> dict:
-    """The event without what measures time or the machine; the event itself when it has none
-    (most events; a step's unstable fields are top-level)."""
+    """The event without what the digest leaves out; the event itself when it has none (most
+    events; a step's unstable fields are top-level)."""
     flat = event.get("e") in FLAT_STABLE
-    if UNSTABLE_KEYS.isdisjoint(event):
+    if _SKIPPED.isdisjoint(event):
         if flat or not any(isinstance(v, dict) and _has_unstable(v) for v in event.values()):
             return event
     elif flat:
-        return {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
-    elif not any(isinstance(v, dict) for k, v in event.items() if k in UNSTABLE_KEYS):
-        rest = {k: v for k, v in event.items() if k not in UNSTABLE_KEYS}
+        return {k: v for k, v in event.items() if k not in _SKIPPED}
+    elif not any(isinstance(v, dict) for k, v in event.items() if k in _SKIPPED):
+        rest = {k: v for k, v in event.items() if k not in _SKIPPED}
         if not _has_unstable(rest):
             return rest
     return _stable(event)

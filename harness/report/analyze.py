@@ -11,6 +11,7 @@ from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.localize import carry_calls
 from kvchaos.harness.check.metrics import run_metrics
+from kvchaos.harness.check.performance import judge_performance
 from kvchaos.harness.check.verdict import EXIT_CODES, current, truth_problem
 from kvchaos.harness.history.log import check_history, deterministic_digest, read_history
 from kvchaos.harness.history.results import read_results
@@ -94,6 +95,7 @@ def analyze(run_dir: Path | str, plots: bool = True, index: bool = True) -> dict
         "checkers": [c.to_dict() for c in checks],
         "history_digest": deterministic_digest(events),
         "metrics": run_metrics(events),
+        "performance": judge_performance(events),
         "exercised": verdict.exercised,
         "credits": verdict.credit_rows(),
         "replay": stored.get("replay") or replay_command(sc, seed, device, run_dir=run_dir),

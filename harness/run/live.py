@@ -271,6 +271,9 @@ class LiveRun:
         )
 
     def _submitted(self, a, step: int, prompt_len: int, **links) -> None:
+        e = self.engine
+        # with a prefix cache, the ids the manager is given: the reference replays them
+        ids = {"prompt_ids": e.seqs[a.req].tokens[:prompt_len]} if self.kv is not None else {}
         self.h.append(
             {
                 "e": "submit",
@@ -280,6 +283,7 @@ class LiveRun:
                 "max_new": a.max_new,
                 **links,
                 "origin": a.origin,
+                **ids,
             }
         )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvchaos.engine.boundary import ManagerError, describe
 from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.metrics import run_metrics
+from kvchaos.harness.check.performance import judge_performance
 from kvchaos.harness.check.verdict import VerdictName
 from kvchaos.harness.history.log import History
 from kvchaos.harness.history.results import write_results
@@ -210,6 +211,7 @@ def run_scenario(
         # what orders the manager's sets and dicts of strings: fixed in an isolated worker
         "python_hash_seed": os.environ.get("PYTHONHASHSEED") or "random",
         "metrics": run_metrics(events),
+        "performance": judge_performance(events),  # warnings, never the verdict
         "exercised": v.exercised,
         "replay": replay_command(sc, seed, device, block_manager_spec, tp, run_dir),
     }

@@ -151,6 +151,7 @@ class Soak:
         self.nondet: list[dict] = []
         self.runs = self.steps = self.replays = self.cut = 0
         self.hit_rates: list[dict] = []  # runs with a prefix cache: their metrics
+        self.performance: dict[str, dict] = {}  # a performance finding's kind -> runs, first
         self.first_seed = self.last_seed = None
         self.rss: dict = {}
         self._last_rss = 0.0
@@ -203,6 +204,7 @@ class Soak:
             "fingerprints": fingerprints(res, job["scenario"].get("faults", [])),
             "ended": ended,
             "prefix_cache": (res.get("metrics") or {}).get("prefix_cache"),
+            "performance": [f["kind"] for f in (res.get("performance") or {}).get("findings", ())],
         }
 
     def _record(self, job: dict, r: dict, duration: float) -> int:
@@ -211,6 +213,10 @@ class Soak:
         self.steps += r["steps"]
         if r.get("prefix_cache"):
             self.hit_rates.append(r["prefix_cache"])
+        for kind in r.get("performance", ()):  # warnings: the verdict is as it was
+            p = self.performance.setdefault(kind, {"runs": 0, "first_seed": seed})
+            p["runs"] += 1
+            p.setdefault("first_run", r["run_dir"])
         self.counts[r["verdict"]] += 1
         self.first_seed = seed if self.first_seed is None else self.first_seed
         self.last_seed = seed

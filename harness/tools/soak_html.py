@@ -88,6 +88,21 @@ def _badge(v: str) -> str:
     return f'<span class="v {html.escape(v)}">{html.escape(v)}</span>'
 
 
+def perf_html(perf: list[dict] | None) -> str:
+    """perf_line, each kind's first run linked."""
+    if not perf:
+        return "none"
+    e = html.escape
+    return (
+        "; ".join(
+            f"<span class='bad'>{e(p['kind'])}</span> in {p['runs']} runs (first: "
+            f"{_a('seed ' + str(p['first_seed']), p.get('first_link'))})"
+            for p in perf
+        )
+        + " (warnings: no verdict changed)"
+    )
+
+
 def render_html(s: dict) -> str:
     e = html.escape
     bad = s["exit_code"] != 0
@@ -150,6 +165,7 @@ def render_html(s: dict) -> str:
 <p>{verdicts}</p>
 <p>Disk: {e(disk_line(s))}.</p>
 <p>Prefix cache: {e(hit_line(s.get("prefix_cache")))}.</p>
+<p>Performance warnings: {perf_html(s.get("performance"))}.</p>
 <p>Memory (RSS): {e(rss_line(s["rss"]))}</p>
 <p>Rerun: <code>{e(s["command"])}</code><br>ledger: <code>{e(s["ledger"])}</code></p>
 <h2>Runs and findings over time</h2>{plot}

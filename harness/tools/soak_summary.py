@@ -236,6 +236,10 @@ def summary_of(soak, elapsed: float, code: int) -> dict:
         "steps_per_s": round(soak.steps / elapsed, 1) if elapsed else 0,
         "verdicts": dict(soak.counts),
         "prefix_cache": prefix_cache_summary(soak.hit_rates),
+        "performance": [
+            {"kind": kind, **p, "first_link": _link(folder, p["first_run"])}
+            for kind, p in sorted(soak.performance.items())
+        ],
         "determinism": {"replayed": soak.replays, "mismatches": soak.nondet},
         "incidents": incidents,
         "unexpected": [{**u, "link": _link(folder, u["run_dir"])} for u in soak.unexpected],
@@ -299,6 +303,20 @@ def hit_line(pc: dict | None) -> str:
     )
 
 
+def perf_line(perf: list[dict] | None) -> str:
+    """The runs with performance warnings (harness/check/performance.py), by kind."""
+    if not perf:
+        return "none"
+    return (
+        "; ".join(
+            f"{p['kind']} in {p['runs']} run{'s' if p['runs'] > 1 else ''} "
+            f"(first seed {p['first_seed']})"
+            for p in perf
+        )
+        + " (warnings: no verdict changed)"
+    )
+
+
 def render_md(s: dict, brief: bool = False) -> str:
     out = [
         f"# kvchaos soak {s['soak']}",
@@ -320,6 +338,7 @@ def render_md(s: dict, brief: bool = False) -> str:
         f"- memory (RSS): {rss_line(s['rss'])}",
         f"- disk: {disk_line(s)}",
         f"- prefix cache: {hit_line(s.get('prefix_cache'))}",
+        f"- performance warnings: {perf_line(s.get('performance'))}",
     ]
     out += [f"- **{s['stopped']}**"] if s["stopped"] else []
     out += [f"- rerun this soak: `{s['command']}`; ledger: `{s['ledger']}`"]
