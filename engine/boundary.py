@@ -161,6 +161,16 @@ def logged(x):
     return repr(x)
 
 
+def log_entry(name: str, args: tuple, out, full_tokens: bool = False) -> list:
+    """One call as the call log keeps it: [name, args, answer], plain data, token lists by length
+    unless full_tokens."""
+    shown = [logged(a) for a in args]
+    at = TOKEN_ARG.get(name)
+    if at is not None and not full_tokens and len(args) > at:
+        shown[at] = f"<{len(args[at])} tokens>"
+    return [name, shown, logged(out)]
+
+
 def copied(snap):
     """A snapshot in lists and dicts of its own, as the manager gave it at the call: a manager may
     hand out its live state (its free list, its dicts), which its next call changes, while the
@@ -234,7 +244,6 @@ class Boundary:
         grows = name in ("admit", "append", "append_decode", "fork")
         check = ANSWERS.get(name)
 
-        tokens_at = TOKEN_ARG.get(name) if name != "snapshot" else None
         logs = name != "snapshot"
 
         def call(*args, **kw):
@@ -254,18 +263,18 @@ class Boundary:
                 if grows:  # a refusal must change nothing
                     refusal.changed = self._changed_by_refusal(before)
                 if log is not None:
-                    self._log(log, name, args, {"refused": str(refusal)}, tokens_at)
+                    self._log(log, name, args, {"refused": str(refusal)})
                 if logs and self.after is not None:
                     self.after(name, args)
                 raise
             except (Exception, SystemExit) as e:  # sys.exit() in the manager: its bug too
                 if log is not None:
-                    self._log(log, name, args, {"raised": f"{type(e).__name__}: {e}"}, tokens_at)
+                    self._log(log, name, args, {"raised": f"{type(e).__name__}: {e}"})
                 raise ManagerError(name, args, e) from e
             finally:
                 self._enter(None)
             if log is not None:
-                self._log(log, name, args, out, tokens_at)
+                self._log(log, name, args, out)
             if logs and self.after is not None:
                 self.after(name, args)
             return out
@@ -273,11 +282,8 @@ class Boundary:
         call.__name__ = name
         return call
 
-    def _log(self, log: list, name: str, args: tuple, out, tokens_at: int | None) -> None:
-        shown = [logged(a) for a in args]
-        if tokens_at is not None and not self.full_tokens and len(args) > tokens_at:
-            shown[tokens_at] = f"<{len(args[tokens_at])} tokens>"
-        log.append([name, shown, logged(out)])
+    def _log(self, log: list, name: str, args: tuple, out) -> None:
+        log.append(log_entry(name, args, out, self.full_tokens))
 
     def start_log(self, full_tokens: bool = False) -> None:
         """Log every protocol call from now on (full_tokens: token lists whole)."""

@@ -64,7 +64,7 @@ def test_a_schema_problem_is_named():
 
 
 def test_the_kinds_a_broken_manager_brings_are_as_their_types_say(tmp_path, monkeypatch):
-    """door_call (the check before any run's FAIL run) and unslotted_write (a position written
+    """calls (here the check before any run's FAIL run) and unslotted_write (a position written
     with no slot reserved) come only from managers with bugs."""
     from pathlib import Path
 
@@ -81,7 +81,7 @@ def test_the_kinds_a_broken_manager_brings_are_as_their_types_say(tmp_path, monk
     door = door_run(failed.value, None).events
     sc = load_scenario("baseline-clean")
     slots = run_scenario(sc, 0, report_dir=None, block_manager=door_managers.SkipsLastSlot).events
-    assert {"door_call", "sut_error"} <= {e["e"] for e in door} and "unslotted_write" in {
+    assert {"calls", "sut_error"} <= {e["e"] for e in door} and "unslotted_write" in {
         e["e"] for e in slots
     }
     assert schema_problems(door) == schema_problems(slots) == []

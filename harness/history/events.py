@@ -284,13 +284,6 @@ class SutError(_SutError, _Parent, total=False):
     how: Literal["hang", "died"]  # written by the worker's parent when the call never returned
 
 
-class DoorCall(TypedDict):
-    e: Literal["door_call"]  # a call of the check before any run (its smoke sequence)
-    step: int
-    call: str  # the call, with its arguments
-    answer: str  # what it answered, "refused: ..." or "raised ...", as text
-
-
 class _RunEnd(TypedDict):
     e: Literal["run_end"]
     step: int
@@ -326,7 +319,6 @@ Event = Union[
     Reference,
     Error,
     SutError,
-    DoorCall,
     RunEnd,
 ]
 # kind -> its type

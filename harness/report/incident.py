@@ -218,6 +218,8 @@ def _severity(kind: str, impact: dict, checkers: list[str]) -> tuple[str, str]:
         return "SEV2", "the run itself broke"
     if any(c in STRUCTURAL + ("liveness",) for c in checkers):
         return "SEV2", "latent corruption or lost capacity: outputs still correct"
+    if "manager_calls" in checkers:
+        return "SEV2", "the block manager broke the protocol: a call raised, hung or answered wrong"
     return "SEV3", "performance only: outputs correct"
 
 

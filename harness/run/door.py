@@ -1,6 +1,6 @@
 """A manager that fails the check before any run (user_code.validate_manager's smoke sequence)
 is judged as what it is, a manager with a bug: it gets a run like any other, a FAIL. Its history
-holds the smoke calls it was made (door_call events: each call and its answer), the call that
+holds the smoke calls it was made (a calls event, as a run's call log), the call that
 raised or answered what the protocol does not allow (sut_error), and the run's end; the checkers
 judge it (manager_calls names the call) and the reports follow (an incident). The run's scenario
 is the check's tiny pool with a small workload: its replay line runs the check again, and a
@@ -93,8 +93,13 @@ def _recorded(failure: SmokeFailure, report_dir: Path | str | None) -> RunResult
             "plan": [],
         }
     )
-    for c in failure.calls:
-        history.append({"e": "door_call", "step": 0, "call": c["call"], "answer": c["answer"]})
+    last = len(failure.calls) - 1  # snapshots are reads: logged when one is the call that failed
+    logged = [
+        c["logged"]
+        for i, c in enumerate(failure.calls)
+        if c["logged"][0] != "snapshot" or i == last
+    ]
+    history.append({"e": "calls", "step": 0, "calls": logged})
     history.append(
         {
             "e": "sut_error",

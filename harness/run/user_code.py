@@ -222,21 +222,26 @@ _REFUSED = object()  # a call answered OutOfBlocks
 def _call(bm, calls: list, name: str, *args):
     """One call of the smoke sequence, logged in calls; its answer held to what the engine's
     boundary accepts (engine.boundary). A refusal (OutOfBlocks) is an answer: _REFUSED."""
-    from kvchaos.engine.boundary import BadAnswer, check_answer, copied, describe
+    from kvchaos.engine.boundary import BadAnswer, check_answer, copied, describe, log_entry
     from kvchaos.engine.errors import OutOfBlocks
 
     shown = describe(name, args)
-    said = {"call": shown, "answer": None}
+    # "logged": the call as the history's call log keeps it (a FAIL run's calls event)
+    said = {"call": shown, "answer": None, "logged": log_entry(name, args, None)}
     calls.append(said)
     try:
         out = copied(getattr(bm, name)(*args))  # a live snapshot: judged as it was at the call
     except OutOfBlocks as e:
         said["answer"] = f"refused: OutOfBlocks: {_line(e)}"
+        said["logged"][2] = {"refused": _line(e)}
         return _REFUSED
     except (Exception, SystemExit) as e:
         said["answer"] = f"raised {type(e).__name__}: {_line(e)}"
+        said["logged"][2] = {"raised": f"{type(e).__name__}: {_line(e)}"}
         raise _Failed(f"{shown} {said['answer']}", shown, args, e) from None
     said["answer"] = _shown(out)
+    if name != "snapshot":  # a read: its answer is judged below, not logged
+        said["logged"] = log_entry(name, args, out)
     try:
         check_answer(name, out, args, bm.num_blocks)
     except BadAnswer as e:
