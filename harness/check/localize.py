@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from kvchaos.engine.boundary import TOKEN_ARG
 from kvchaos.harness.check.checkers import CHECKERS
 
 GROWTH = ("admit", "append", "append_decode", "fork")
@@ -44,9 +45,14 @@ class Located(TypedDict):
 
 
 def shown(call: str, args: list) -> str:
-    """A call as a maintainer would write it: release('r4', 'preempted')."""
+    """A call as a maintainer would write it: release('r4', 'preempted'); a long list by its
+    length (a token list as the call log shows it)."""
+    at = TOKEN_ARG.get(call)
     parts = [
-        repr(a) if not isinstance(a, list) or len(a) <= 8 else f"<{len(a)} items>" for a in args
+        repr(a)
+        if not isinstance(a, list) or len(a) <= 8
+        else f"<{len(a)} {'tokens' if i == at else 'items'}>"
+        for i, a in enumerate(args)
     ]
     return f"{call}({', '.join(parts)})"
 
