@@ -7,8 +7,6 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import torch
-
 from kvchaos.engine.distributed import DistEngine
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import InvalidRequest, RequestRejected
@@ -19,17 +17,10 @@ from kvchaos.harness.history.log import History
 from kvchaos.harness.run.cache_state import CacheWatch
 from kvchaos.harness.run.kv_record import RankRecords
 from kvchaos.harness.run.oracle import Oracle
-from kvchaos.harness.run.reference import cross_check
+from kvchaos.harness.run.oracle_feed import OracleFeed
 from kvchaos.harness.run.telemetry import Telemetry
 from kvchaos.harness.run.workload import build_plan
 from kvchaos.harness.scenario.spec import Scenario
-
-# Requests that produce no more tokens wait for the oracle in a queue, checked in padded passes
-# of up to this many (the reference model's cost is mostly per op); the rest at the run's end.
-ORACLE_BATCH = 16
-# Live requests are checked at least this often, so when a divergence is known does not depend on
-# the batching above: a request found diverged is reported then, and checked no more.
-ORACLE_EVERY = 8
 
 
 class LiveRun:
@@ -61,7 +52,6 @@ class LiveRun:
             if self.cfg.tp_mode == "simulated"
             else DistEngine(self.cfg, bm, cluster)
         )
-        self.oracle = Oracle(self.engine.model)
         self.faults = [make_fault(f.name, f.defect, f.params, seed) for f in sc.faults]
         self.plan = build_plan(
             sc.workload, self.cfg.model.vocab_size, seed, self.cfg.cache.block_size
@@ -72,15 +62,9 @@ class LiveRun:
         self.pending: list = []  # actions waiting for their request to reach a phase
         self.snapped = -1  # the step of the last snapshot
         self.rejected: set[str] = set()
-        self.logits: dict[str, list[torch.Tensor]] = {}
-        self.token_steps: dict[str, list[int]] = {}
-        self.oracle_results: list[dict] = []
-        # requests done producing: (step, token steps, Oracle.check_many item)
-        self.oracle_queue: list = []
         # The oracle is fed each request's prompt as planned, never the engine's copy of it.
         self.planned = {a.req: list(a.prompt) for a in self.plan.actions if a.op == "submit"}
-        self.cross_checked = False  # the shared model code against the reference, once a run
-        self.known_diverged: set[str] = set()  # reported by a live check: not collected again
+        self.oracle = OracleFeed(Oracle(self.engine.model), self.engine, history, self.planned)
         self.last_snap = (-1, None)  # (step, Snapshot) of the latest snapshot
         # the fields of the latest snapshot that passed, its cache as cache_delta keeps it (judge)
         self.passed: dict = {}
@@ -332,7 +316,7 @@ class LiveRun:
                         "origin": a.origin,
                     }
                 )
-                self._oracle(a.req, step)
+                self.oracle.done(a.req, step)
         except (InvalidRequest, RequestRejected) as err:
             self.rejected.add(a.req)
             self.h.append(
@@ -346,81 +330,6 @@ class LiveRun:
                 }
             )
         return True
-
-    def _oracle(self, req: str, step: int, keep: bool = False) -> None:
-        """Queue a request that will produce no more tokens for the oracle; checked in batches.
-        keep: a live request's check so far (its rows stay for the next)."""
-        rows = self.logits.get(req, []) if keep else self.logits.pop(req, [])
-        steps = list(self.token_steps.get(req, [])) if keep else self.token_steps.pop(req, [])
-        if rows:
-            seq = self.engine.seqs[req]
-            planned = self.planned.get(req, seq.tokens[: seq.prompt_len])
-            stored = seq.tokens[: seq.prompt_len]
-            mismatch = (
-                None
-                if stored == planned  # at C speed: the common case, every live check
-                else next(
-                    (i for i, (a, b) in enumerate(zip(stored, planned)) if a != b),
-                    min(len(stored), len(planned)),
-                )
-            )
-            tokens = planned + seq.tokens[seq.prompt_len :]
-            self.oracle_queue.append(
-                (step, steps, (req, tokens, len(planned), torch.stack(rows)), mismatch)
-            )
-            if len(self.oracle_queue) >= ORACLE_BATCH and not keep:
-                self._check_oracle_queue()
-
-    def _check_live(self, step: int) -> None:
-        """The queue and every request still producing tokens (on what it produced so far), in
-        one set of padded passes."""
-        done = len(self.oracle_queue)
-        for req in [r for r in self.logits if self.logits[r]]:
-            self._oracle(req, step, keep=True)
-        queue, self.oracle_queue = self.oracle_queue, []
-        self._check(queue, live_from=done)
-
-    def _check_oracle_queue(self) -> None:
-        queue, self.oracle_queue = self.oracle_queue, []
-        self._check(queue)
-
-    def _check(self, queue: list, live_from: int | None = None) -> None:
-        """Check queued requests in padded passes and record them; those from live_from on are
-        live requests checked so far: only the diverged are recorded, then checked no more."""
-        # the cross-check takes the longest request (prompt and rows; the first of them)
-        first = (
-            max(queue, key=lambda q: q[2][3].shape[0]) if queue and not self.cross_checked else None
-        )
-        live = {q[2][0] for q in queue[live_from:]} if live_from is not None else set()
-        results = self.oracle.check_many(
-            [q[2] for q in queue], keep=live, capture=first and first[2][0]
-        )
-        if first and self.oracle.captured:  # (none: no pass ran for it; the next check tries)
-            self._cross_check(first)
-        for i, ((step, steps, _, mismatch), res) in enumerate(zip(queue, results)):
-            if live_from is not None and i >= live_from:
-                if res.first_divergence is None and mismatch is None:
-                    continue
-                self.logits.pop(res.request, None)  # known now: never checked (or told) again
-                self.token_steps.pop(res.request, None)
-                self.known_diverged.add(res.request)
-            r = res.to_dict()
-            r["req"] = r.pop("request")
-            r["prompt_mismatch_at"] = mismatch
-            r["divergence_step"] = (
-                steps[r["first_divergence"]] if r["first_divergence"] is not None else None
-            )
-            self.h.append({"e": "oracle", "step": step, **r})
-            self.oracle_results.append(r)
-
-    def _cross_check(self, item) -> None:
-        """The model code the oracle shares with the engine, against an independent float64
-        reference, on the logits the oracle computed for a request of its first check."""
-        self.cross_checked = True
-        step, _, (req, tokens, prompt_len, rows), _ = item
-        start, logits = self.oracle.captured
-        res = cross_check(self.oracle, tokens[: start + logits.shape[0]], start, logits)
-        self.h.append({"e": "reference", "step": step, "req": req, **res})
 
     def _log_calls(self, step: int) -> None:
         calls = self.engine.bm.drain()
@@ -489,15 +398,7 @@ class LiveRun:
                     **self.telemetry.step_fields(st.step),
                 }
             )
-            for req, row in out.logits.items():
-                if req in self.known_diverged:
-                    continue
-                self.logits.setdefault(req, []).append(row)
-                self.token_steps.setdefault(req, []).append(st.step)
-            for req in out.finished:
-                self._oracle(req, st.step)
-            if st.step % ORACLE_EVERY == 0:
-                self._check_live(st.step)
+            self.oracle.step(st.step, out)
             h.flush()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run exceeded its time limit at step {st.step}")
@@ -505,9 +406,7 @@ class LiveRun:
 
     def finish(self, reason: str) -> dict:
         # The oracle first: what the queue holds is lost if anything after it fails.
-        for req in list(self.logits):  # still running at the end: check what they produced
-            self._oracle(req, self.engine.step_count)
-        self._check_oracle_queue()
+        self.oracle.finish(self.engine.step_count)
         # The final state: after the last step's frees and any cancels that came after it.
         if self.observe:
             self._log_calls(self.engine.step_count + 1)
