@@ -225,7 +225,9 @@ def cmd_run(args) -> int:
     if args.block_manager:  # what is not a manager is bad input (exit 2), not an ERROR per run
         try:
             if isolated:
-                sizes = isolate.validate_isolated(args.block_manager, args.check_timeout)
+                from kvchaos.harness.run.door import validate_isolated
+
+                sizes = validate_isolated(args.block_manager, args.check_timeout)
             else:
                 sizes = declared_block_sizes(validate_manager(args.block_manager))
             scs = supported(scs, sizes, args.block_manager, bool(args.scenarios))

@@ -71,7 +71,8 @@ def pytest_configure(config) -> None:
     spec = config.getoption("--kvchaos-block-manager", None)
     if spec:  # what is not a manager is one usage error, not an ERROR on every item
         from kvchaos.engine.protocols import declared_block_sizes
-        from kvchaos.harness.run.isolate import in_process_reason, validate_isolated
+        from kvchaos.harness.run.door import validate_isolated
+        from kvchaos.harness.run.isolate import in_process_reason
         from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 
         isolated = not config.getoption("--kvchaos-in-process") and in_process_reason() is None

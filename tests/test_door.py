@@ -15,7 +15,7 @@ import pytest
 
 from kvchaos.harness.cli import main
 from kvchaos.harness.history.log import read_history
-from kvchaos.harness.run.isolate import validate_isolated
+from kvchaos.harness.run.door import validate_isolated
 from kvchaos.harness.run.user_code import SmokeFailure, validate_manager
 
 TESTS = Path(__file__).parent

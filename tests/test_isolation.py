@@ -273,7 +273,7 @@ def test_scenario_items_run_under_pytest_xdist(tmp_path):
 
 
 def test_the_check_before_any_run_survives_a_manager_that_hangs_or_exits(tmp_path, capsys):
-    from kvchaos.harness.run.isolate import validate_isolated
+    from kvchaos.harness.run.door import validate_isolated
 
     with pytest.raises(ValueError, match="did not finish within 2 s"):
         validate_isolated("managers:HangsWhenBuilt", timeout_s=2)

@@ -18,12 +18,16 @@ from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.check.metrics import run_metrics
 from kvchaos.harness.history.log import History
 from kvchaos.harness.history.results import write_results
+from kvchaos.harness.run.isolate import exit_status, main_not_rerun, start_server
 from kvchaos.harness.run.runner import RunResult, git_commit, make_run_dir
 from kvchaos.harness.run.user_code import SmokeFailure
 from kvchaos.harness.scenario.inputs import replay_command
+from kvchaos.harness.scenario.options import DEFAULT_CHECK_TIMEOUT_S
 from kvchaos.harness.scenario.spec import Scenario, parse_scenario
 
 DOOR_SCENARIO = "door-check"  # the scenario name of such a run
+
+IMPORT_TIMEOUT_S = 600.0  # ... and its import (vLLM's takes half a minute on a loaded machine)
 
 
 def door_scenario(pool: tuple) -> Scenario:
@@ -166,3 +170,76 @@ def _recorded(failure: SmokeFailure, report_dir: Path | str | None) -> RunResult
         results=results,
         events=events,
     )
+
+
+# -- the check before any run, in a worker of its own -------------------------------------
+def validate_isolated(
+    spec: str,
+    timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
+    import_timeout_s: float = IMPORT_TIMEOUT_S,
+) -> tuple[int, ...] | None:
+    """user_code.validate_manager(spec) in a fresh worker: a manager that hangs or ends the
+    process in its smoke sequence is bad input (ValueError, one line), not a hung or dead
+    kvchaos; one whose smoke call raises or answers wrongly, SmokeFailure (its FAIL run is the
+    caller's: harness/run/door.py). timeout_s bounds the check once the manager's module is
+    imported; the import has its own bound. Returns the block sizes it declares (None: any)."""
+    from kvchaos.harness.run.user_code import SmokeFailure
+
+    ctx = start_server()
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_validate, args=(spec, os.getcwd(), dict(os.environ), theirs), name="kvchaos-check"
+    )
+    with main_not_rerun():
+        proc.start()
+    theirs.close()
+    check = "the check before any run (a smoke sequence on a tiny pool)"
+    try:
+        said = _heard(ours, proc, import_timeout_s, f"{spec!r}: importing it")
+        if said[0] == "loaded":
+            said = _heard(ours, proc, timeout_s, f"{spec!r}: {check}", " (--check-timeout)")
+        kind, value = said
+        if kind == "failed":
+            raise SmokeFailure.from_dict(value)
+        if kind == "bad":
+            raise ValueError(value)
+        return None if value is None else tuple(value)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        ours.close()
+
+
+def _heard(conn, proc, timeout_s: float, what: str, flag: str = ""):
+    """The checking worker's next word, within timeout_s: ValueError (one line) if it says
+    nothing in time or ends without a word."""
+    if not conn.poll(timeout_s):
+        raise ValueError(f"{what} did not finish within {timeout_s:g} s{flag}")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise ValueError(f"{what} ended the process: {exit_status(proc.exitcode)}") from None
+
+
+def _validate(spec: str, cwd: str, env: dict, conn) -> None:
+    from kvchaos.engine.protocols import declared_block_sizes
+    from kvchaos.harness.run.user_code import SmokeFailure, load_object, validate_manager
+
+    os.chdir(cwd)  # where the caller runs: a module there is importable, as in a run
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ.clear()  # the caller's environment now, as a run's worker has it
+    os.environ.update(env)
+    if seed is not None:
+        os.environ["PYTHONHASHSEED"] = seed
+    try:
+        load_object(spec)  # the import, first: the check's clock starts after it
+        conn.send(("loaded", None))
+        conn.send(("ok", declared_block_sizes(validate_manager(spec))))
+    except SmokeFailure as e:
+        conn.send(("failed", e.to_dict()))
+    except ValueError as e:
+        conn.send(("bad", str(e)))
+    except BaseException as e:  # noqa: BLE001  SystemExit included: one line, never a crash
+        conn.send(("bad", f"{spec!r}: the check before any run raised {type(e).__name__}: {e}"))

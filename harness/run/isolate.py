@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchaos.harness.history.results import write_results
-from kvchaos.harness.scenario.options import DEFAULT_CHECK_TIMEOUT_S, DEFAULT_TIMEOUT_S
+from kvchaos.harness.scenario.options import DEFAULT_TIMEOUT_S
 
 STOP_GRACE_S = 3.0  # after SIGUSR1, before SIGKILL
 REPORT_LIMIT_S = 120.0  # once the run's record is written: for its reports
-IMPORT_TIMEOUT_S = 600.0  # ... and its import (vLLM's takes half a minute on a loaded machine)
 INTERRUPT_GRACE_S = 30.0  # after Ctrl-C: for the worker to record the run as interrupted
 WAIT_TICK_S = 0.5  # how often on_wait is called while a worker runs
 HASH_SEED = "0"
@@ -188,7 +187,7 @@ def start_server(block_manager: str | None = None):
 
 
 @contextlib.contextmanager
-def _main_not_rerun():
+def main_not_rerun():
     """multiprocessing re-runs the caller's __main__ in each new process; a worker needs nothing
     from it (a pytest script would cost an import per run, a script without the `if __name__ ==
     "__main__"` guard would start itself again)."""
@@ -262,7 +261,7 @@ def run_isolated(
     t0 = time.perf_counter()
     ours, theirs = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_worker, args=(job, theirs), name=f"kvchaos-run-{sc.name}-s{seed}")
-    with _main_not_rerun():
+    with main_not_rerun():
         proc.start()
     theirs.close()
     try:
@@ -284,78 +283,6 @@ def run_isolated(
             proc.join(10)
         ours.close()
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def validate_isolated(
-    spec: str,
-    timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
-    import_timeout_s: float = IMPORT_TIMEOUT_S,
-) -> tuple[int, ...] | None:
-    """user_code.validate_manager(spec) in a fresh worker: a manager that hangs or ends the
-    process in its smoke sequence is bad input (ValueError, one line), not a hung or dead
-    kvchaos; one whose smoke call raises or answers wrongly, SmokeFailure (its FAIL run is the
-    caller's: harness/run/door.py). timeout_s bounds the check once the manager's module is
-    imported; the import has its own bound. Returns the block sizes it declares (None: any)."""
-    from kvchaos.harness.run.user_code import SmokeFailure
-
-    ctx = start_server()
-    ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=_validate, args=(spec, os.getcwd(), dict(os.environ), theirs), name="kvchaos-check"
-    )
-    with _main_not_rerun():
-        proc.start()
-    theirs.close()
-    check = "the check before any run (a smoke sequence on a tiny pool)"
-    try:
-        said = _heard(ours, proc, import_timeout_s, f"{spec!r}: importing it")
-        if said[0] == "loaded":
-            said = _heard(ours, proc, timeout_s, f"{spec!r}: {check}", " (--check-timeout)")
-        kind, value = said
-        if kind == "failed":
-            raise SmokeFailure.from_dict(value)
-        if kind == "bad":
-            raise ValueError(value)
-        return None if value is None else tuple(value)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
-        ours.close()
-
-
-def _heard(conn, proc, timeout_s: float, what: str, flag: str = ""):
-    """The checking worker's next word, within timeout_s: ValueError (one line) if it says
-    nothing in time or ends without a word."""
-    if not conn.poll(timeout_s):
-        raise ValueError(f"{what} did not finish within {timeout_s:g} s{flag}")
-    try:
-        return conn.recv()
-    except EOFError:
-        proc.join(5)
-        raise ValueError(f"{what} ended the process: {_status(proc.exitcode)}") from None
-
-
-def _validate(spec: str, cwd: str, env: dict, conn) -> None:
-    from kvchaos.engine.protocols import declared_block_sizes
-    from kvchaos.harness.run.user_code import SmokeFailure, load_object, validate_manager
-
-    os.chdir(cwd)  # where the caller runs: a module there is importable, as in a run
-    seed = os.environ.get("PYTHONHASHSEED")
-    os.environ.clear()  # the caller's environment now, as a run's worker has it
-    os.environ.update(env)
-    if seed is not None:
-        os.environ["PYTHONHASHSEED"] = seed
-    try:
-        load_object(spec)  # the import, first: the check's clock starts after it
-        conn.send(("loaded", None))
-        conn.send(("ok", declared_block_sizes(validate_manager(spec))))
-    except SmokeFailure as e:
-        conn.send(("failed", e.to_dict()))
-    except ValueError as e:
-        conn.send(("bad", str(e)))
-    except BaseException as e:  # noqa: BLE001  SystemExit included: one line, never a crash
-        conn.send(("bad", f"{spec!r}: the check before any run raised {type(e).__name__}: {e}"))
 
 
 def _wait(proc, conn, timeout_s: float | None, on_wait=None):
@@ -410,7 +337,7 @@ def _stop(proc, grace: float = STOP_GRACE_S) -> None:
     proc.join(10)
 
 
-def _status(code: int | None) -> str:
+def exit_status(code: int | None) -> str:
     if code is None:
         return "no exit status"
     if code < 0:
@@ -423,7 +350,7 @@ def _status(code: int | None) -> str:
 def _said(ending: tuple) -> str:
     kind, code = ending
     if kind == "exit":
-        return f"ended ({_status(code)})"
+        return f"ended ({exit_status(code)})"
     return "was stopped at the time limit" if kind == "timeout" else "was interrupted"
 
 
@@ -464,9 +391,9 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
     else:
         name = "WorkerDied"
         message = (
-            f"ended the worker process: {_status(code)}"
+            f"ended the worker process: {exit_status(code)}"
             if call
-            else f"the worker process ended in step {step}: {_status(code)}"
+            else f"the worker process ended in step {step}: {exit_status(code)}"
         )
     if call:
         event = {"e": "sut_error", "step": step, "call": call, "args": [], "error": name}
@@ -489,7 +416,7 @@ def _record_lost(job: Job, ending: tuple, timeout_s: float | None, wall_s: float
         "world_size": job.world_size,
         "wall_s": round(wall_s, 3),
         "python_hash_seed": HASH_SEED,
-        "worker": {"ended": kind, "status": _status(code) if kind == "exit" else None},
+        "worker": {"ended": kind, "status": exit_status(code) if kind == "exit" else None},
         "replay": replay_command(sc, job.seed, job.device, job.block_manager_spec, tp, run_dir),
         "batch": job.batch,
     }

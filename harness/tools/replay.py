@@ -175,8 +175,12 @@ def replay(
 ) -> dict:
     """Re-run RUN_DIR: {"identical", "recorded_digest", "replay_digest", "first_difference", ..}
     isolated: in a fresh worker with the fixed hash seed, as `kvchaos run` records runs."""
-    from kvchaos.harness.run.door import DOOR_SCENARIO, door_run  # (loads torch: not for --help)
-    from kvchaos.harness.run.isolate import run, validate_isolated
+    from kvchaos.harness.run.door import (  # (loads torch: not for --help)
+        DOOR_SCENARIO,
+        door_run,
+        validate_isolated,
+    )
+    from kvchaos.harness.run.isolate import run
 
     sc, _, results = load_run(run_dir)
     device = device or results["device"]
