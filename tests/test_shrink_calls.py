@@ -185,6 +185,8 @@ def test_shrink_writes_a_calls_file_that_fails_on_the_manager_and_passes_fixed(
     path = Path(m["calls_test_path"])
     assert path.name == Path(m["test_path"]).stem + "_calls.py" and path.is_file()
     assert 1 < m["calls"] < m["calls_logged"], m  # shortened, but more than the release alone
+    incident = (leaky_run / "incident-001.md").read_text()  # the incident points to it
+    assert "as a test to paste into yours: `" in incident and path.name in incident
     text = path.read_text()
     assert "from managers import KeepsRefsOnPreempt as Manager" in text
     assert re.search(r"m\.release\('\w+', 'preempted'\)\n    s = m\.snapshot\(\)", text), text

@@ -422,7 +422,7 @@ def _minimal(found: dict | None, where: str | None) -> dict:
     if not found:
         return {"status": f"not shrunk yet: run `kvchaos shrink {where or 'RUN_DIR'}`"}
     out = dict(found)
-    for k in ("scenario_path", "test_path"):
+    for k in ("scenario_path", "test_path", "calls_test_path"):
         if out.get(k):
             out[k] = rel(out[k])
     if out.get("command"):
