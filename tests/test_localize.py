@@ -82,6 +82,9 @@ def test_a_missing_slot_names_append_decode():
     assert r.verdict == "FAIL"
     first = next(f for f in root_first(_findings(r.results)) if f.get("call"))
     assert first["call"]["call"] == "append_decode"
+    # the root says which position went without a slot, and the summary leads with it
+    assert first["kind"] == "unslotted_write" and "reserved no slot" in first["call"]["why"]
+    assert "with no slot reserved" in r.summary
 
 
 def test_explain_on_demand_and_its_budget(leak_run, capsys):

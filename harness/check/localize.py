@@ -124,12 +124,15 @@ def direct(f: dict, events: list[dict]) -> Located | str | None:
                 f"sequences, before {ev.get('req')} wrote into it (a missed copy-on-write)"
             )
         return loc or f"no growth call of {ev.get('req')} at step {step}"
-    if checker == "table_integrity" and kind == "foreign_write":
+    if checker == "table_integrity" and kind in ("foreign_write", "unslotted_write"):
         loc = _last_call(events, step, ev.get("req"), GROWTH)
         if loc:
             loc["why"] = (
                 f"left {ev.get('req')}'s slots pointing at blocks {ev.get('blocks', [])[:8]} it "
                 "does not hold"
+                if kind == "foreign_write"
+                else f"reserved no slot for {ev.get('req')}'s position {ev['positions'][0]} "
+                f"(it holds slots for {ev.get('slots_held')} tokens)"
             )
         return loc or f"no growth call of {ev.get('req')} at step {step}"
     if checker == "prefix_cache" and kind == "hit_blocks":

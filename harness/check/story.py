@@ -27,8 +27,14 @@ def _ev(f) -> dict:
     return _get(f, "evidence") or {}
 
 
+# Within a checker, the finding that says most: a position written with no slot names the
+# position; the foreign write it also is names only the block it landed in
+FIRST_KINDS = ("unslotted_write",)
+
+
 def order_key(f) -> tuple:
-    return (_get(f, "step"), RANK.get(_get(f, "checker"), 6), _get(f, "checker"))
+    checker = _get(f, "checker")
+    return (_get(f, "step"), RANK.get(checker, 6), checker, _get(f, "kind") not in FIRST_KINDS)
 
 
 def _reader(f) -> str | None:
@@ -36,6 +42,7 @@ def _reader(f) -> str | None:
     c, k = _get(f, "checker"), _get(f, "kind")
     if c in ("kv_reads", "prefix_cache") or (c, k) in (
         ("table_integrity", "foreign_write"),
+        ("table_integrity", "unslotted_write"),
         ("block_accounting", "shared_write"),
     ):
         return _ev(f).get("req")
