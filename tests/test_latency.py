@@ -141,3 +141,21 @@ def test_the_harness_own_snapshots_are_not_counted_as_the_engine_slowing_down():
     assert all(e["host_s"] < e["harness_s"] for e in late)  # the engine's own share is small
     lat = next(c for c in r.results["checkers"] if c["checker"] == "latency")
     assert r.verdict == "PASS" and lat["status"] == "held", r.summary
+
+
+def test_a_scenario_no_fault_or_expectation_times_leaves_latency_not_judged():
+    """The same climbing history: judged (and unexplained, so FAIL) in a scenario tagged timing,
+    not judged in the same scenario untagged, whose verdict a machine's load must never decide."""
+    from kvchaos.harness.check.evaluate import evaluate
+
+    sc = load_scenario("table-overflow-clean")
+    assert "timing" not in sc.markers
+    timed = sc.model_copy(
+        update={"scenario": sc.scenario.model_copy(update={"tags": [*sc.scenario.tags, "timing"]})}
+    )
+    assert "timing" in timed.markers
+    events = _steps([0.3 * MS + s for s in _stall(80, at=30)])
+    for scenario, status in ((timed, "fired"), (sc, "not judged")):
+        checks, _ = evaluate(scenario, events, {}, None)
+        (lat,) = [c for c in checks if c.checker == "latency"]
+        assert lat.status == status

@@ -34,7 +34,7 @@ def stored_run(tmp_path_factory):
     """A stored CPU run of the planted table overflow (its folder is copied per test)."""
     d = tmp_path_factory.mktemp("runs")
     r = run_scenario(load_scenario("table-overflow-detect"), 0, "cpu", d)
-    assert r.verdict == "PASS"
+    assert r.verdict == "PASS", r.summary
     return r.run_dir
 
 

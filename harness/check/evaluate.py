@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvchaos.harness.check.checkers import run_checkers
 from kvchaos.harness.check.exercised import exercised
+from kvchaos.harness.check.findings import CheckResult
 from kvchaos.harness.check.verdict import decide
 from kvchaos.harness.scenario.spec import Scenario
 
@@ -20,6 +21,8 @@ def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None,
         },
         disabled,
     )
+    if "timing" not in sc.markers:  # measured time is a verdict only where the scenario is timed
+        checks = [not_timed(c) if c.checker == "latency" else c for c in checks]
     mark_manifest(checks, events)
     tokens = sum(len(e.get("tokens", {})) for e in events if e.get("e") == "step")
     v = decide(sc, checks, verify, error, {"tokens": tokens})
@@ -30,6 +33,12 @@ def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None,
     if ended and ended[0].message not in v.summary:  # how the run ended, after its first finding
         v.summary += f"; the run ended: {ended[0].message}"
     return checks, v
+
+
+def not_timed(c: CheckResult) -> CheckResult:
+    """The latency checker in a scenario no fault or expectation times: not judged. A shared
+    machine's load would be its verdict; a scenario opts in with the tag "timing"."""
+    return CheckResult(checker=c.checker, valid=None, findings=[], error=None, checked=0)
 
 
 def mark_manifest(checks: list, events: list[dict]) -> None:
