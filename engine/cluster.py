@@ -23,11 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from kvchaos.engine import env
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
 from kvchaos.engine.wire import END, HEAD, TIMERS, Wire
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("KVCHAOS_RANK_TIMEOUT", "60"))
 STARTUP_S = 300.0  # importing torch on a loaded box takes a while; a crash is seen at once anyway
 
 
@@ -68,8 +68,8 @@ class Cluster:
     (readiness, progress, errors). Launched on the first run and reused by later ones; relaunched
     when a run needs another world size or device, or after a failure."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.timeout_s = env.number("KVCHAOS_RANK_TIMEOUT") if timeout_s is None else timeout_s
         self.key: tuple | None = None  # (world, backend, first GPU's index) while up
         self.procs: dict[int, subprocess.Popen] = {}
         self.runs = 0

@@ -18,7 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from kvchaos.engine.cluster import DEFAULT_TIMEOUT_S, rank_device
+from kvchaos.engine import env
+from kvchaos.engine.cluster import rank_device
 from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvchaos.engine.model import Model
 from kvchaos.engine.ranks import VirtualRank
@@ -74,8 +75,8 @@ def serve() -> int:
     if parent is not None and os.getppid() != parent:
         return 1
     # two spinning threads per rank thrash
-    torch.set_num_threads(int(os.environ.get("KVCHAOS_CPU_THREADS", "1")))
-    timeout = float(os.environ.get("KVCHAOS_RANK_TIMEOUT", DEFAULT_TIMEOUT_S))
+    torch.set_num_threads(env.number("KVCHAOS_CPU_THREADS"))
+    timeout = env.number("KVCHAOS_RANK_TIMEOUT")
     store_args = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     # a follower idles on the store between runs
     base = dist.TCPStore(*store_args, is_master=False, timeout=dt.timedelta(days=7))

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import kvchaos
+from kvchaos.engine.env import check as check_env
 from kvchaos.engine.errors import KVChaosError
 from kvchaos.harness.check.verdict import EXIT_CODES, MEANING, PASS, SEVERITY, worst
 from kvchaos.harness.scenario import inputs, options
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(load=[command] if command in TOOLS else []).parse_args(argv)
     try:
+        check_env()  # a bad number there is this command's usage error, not a worker's traceback
         return args.func(args)
     except (KVChaosError, ValueError) as e:  # ValueError: flag values only the command can judge
         message = str(e)

@@ -457,3 +457,34 @@ def test_every_fault_explains_any_finding_on_the_least_truth_its_type_allows():
                 for ev in ({}, evidence):
                     finding = {"checker": checker, "step": 3, "kind": kind, "evidence": ev}
                     assert fault.explains(finding, truth) in (None, "cause", "consequence")
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("KVCHAOS_RANK_TIMEOUT", "abc"),
+        ("KVCHAOS_RANK_TIMEOUT", "-1"),
+        ("KVCHAOS_RANK_TIMEOUT", "nan"),
+        ("KVCHAOS_CPU_THREADS", "0"),
+        ("KVCHAOS_CPU_THREADS", "1.5"),
+        ("KVCHAOS_TELEMETRY_EVERY", "ten"),
+        ("KVCHAOS_TELEMETRY_INTERVAL_S", "inf"),
+    ],
+)
+def test_a_bad_number_in_the_environment_is_the_commands_usage_error(
+    name, value, monkeypatch, capsys
+):
+    monkeypatch.setenv(name, value)
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{name}={value!r}" in err[0] and "expected" in err[0], err
+
+
+def test_an_unset_or_empty_environment_number_is_its_default(monkeypatch):
+    from kvchaos.engine import env
+
+    monkeypatch.setenv("KVCHAOS_CPU_THREADS", "")
+    monkeypatch.delenv("KVCHAOS_RANK_TIMEOUT", raising=False)
+    assert env.number("KVCHAOS_CPU_THREADS") == 1 and env.number("KVCHAOS_RANK_TIMEOUT") == 60.0
+    monkeypatch.setenv("KVCHAOS_RANK_TIMEOUT", " 2.5 ")
+    assert env.number("KVCHAOS_RANK_TIMEOUT") == 2.5

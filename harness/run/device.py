@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from kvchaos.engine import env
 
 
 def resolve_device(device: str | None) -> str:
@@ -18,5 +18,5 @@ def resolve_device(device: str | None) -> str:
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
     if device == "cpu":
-        torch.set_num_threads(int(os.environ.get("KVCHAOS_CPU_THREADS", "1")))
+        torch.set_num_threads(env.number("KVCHAOS_CPU_THREADS"))
     return device

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import time
 
+from kvchaos.engine.env import number
+
 _NVML: dict = {}  # initialised once per process: {"nv": module} or {"error": reason}
 
 
@@ -108,8 +110,8 @@ class Telemetry:
         env = os.environ.get
         return cls(
             device,
-            every_steps=int(env("KVCHAOS_TELEMETRY_EVERY", "10")),
-            min_interval_s=float(env("KVCHAOS_TELEMETRY_INTERVAL_S", "0.5")),
+            every_steps=number("KVCHAOS_TELEMETRY_EVERY"),
+            min_interval_s=number("KVCHAOS_TELEMETRY_INTERVAL_S"),
             enabled=env("KVCHAOS_TELEMETRY", "1") not in ("0", "", "off", "false"),
         )
 
