@@ -60,7 +60,9 @@ def _share(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", type=options.PATH, metavar="FILE", help="request lengths")
+    src.add_argument(
+        "--lengths", type=options.PATH, metavar="FILE", help="request lengths: CSV or JSON lines"
+    )
     src.add_argument(
         "--from-run",
         type=options.PATH,
@@ -84,7 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=size, metavar="N", help="transformer layers")
     p.add_argument("--kv-heads", type=size, metavar="N", help="KV heads (GQA: fewer than heads)")
     p.add_argument("--head-dim", type=size, metavar="N", help="a head's dimension")
-    p.add_argument("--heads", type=size, metavar="N", help="query heads (default: KV heads)")
+    p.add_argument(
+        "--heads",
+        type=size,
+        metavar="N",
+        help="query heads, for --measure (default: the config's, else the KV heads)",
+    )
     p.add_argument(
         "--dtype",
         type=inputs.flag(am.dtype_name),
@@ -122,7 +129,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     options.add(p, "device", default="auto", lead="where --measure runs")
     p.add_argument("--html", type=options.PATH, metavar="FILE", help="write the report there")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text: the tables and the lines; json: one JSON document on stdout",
+    )
 
 
 def _traffic(path: str, is_run: bool) -> am.Traffic:
