@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -297,3 +300,26 @@ def test_a_bad_model_config_is_one_line(capsys, tmp_path, case):
 )
 def test_bad_flags_are_one_line(capsys, argv, words):
     assert words in one_line_error(capsys, *argv)
+
+
+MEASURE_TRITON = """
+import json
+from kvchaos.harness.tools.advise_measure import measure
+from kvchaos.harness.tools.advise_model import Shape, traffic_of
+shape = Shape(layers=1, kv_heads=2, head_dim=16, dtype="float32", heads=4, source="test")
+traffic = traffic_of("t", {3: 1, 30: 1})
+times, note = measure(traffic, shape, (8, 32), runs=1, triton=True, sample=2, warmup=0)
+print(json.dumps([times, note]))
+"""
+
+
+def test_measure_runs_the_triton_kernel_where_it_is_asked():
+    """On a GPU --measure times the Triton kernel: here its interpreter takes the same batches."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO.parent)}
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE_TRITON], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    times, note = json.loads(out.stdout)
+    assert set(times) == {"8", "32"} and all(v > 0 for v in times.values())
+    assert "the Triton kernel paged_decode_triton" in note

@@ -78,15 +78,24 @@ def _batch_call(lens: list[int], b: int, shape: Shape, dtype, device, gen, kerne
 
 
 def measure(
-    t: Traffic, shape: Shape, sizes, device: str = "cpu", seed: int = 0, runs: int = RUNS
+    t: Traffic,
+    shape: Shape,
+    sizes,
+    device: str = "cpu",
+    seed: int = 0,
+    runs: int = RUNS,
+    triton: bool | None = None,
+    sample: int = SAMPLE,
+    warmup: int = WARMUP,
 ) -> tuple[dict[int, float], str]:
-    """{block size: seconds of one layer's decode over the sample}, and how it was measured."""
+    """{block size: seconds of one layer's decode over the sample}, and how it was measured.
+    triton: the Triton kernel (None: on a GPU; on the CPU it takes TRITON_INTERPRET=1)."""
     import torch
 
     from kvchaos.engine.attention import paged_decode_torch
 
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if triton if triton is not None else dev.type == "cuda":
         from kvchaos.engine.triton_decode import paged_decode_triton as kernel
 
         name = "the Triton kernel paged_decode_triton"
@@ -94,14 +103,14 @@ def measure(
         kernel, name = paged_decode_torch, "the torch path paged_decode_torch"
     dtype_name = shape.dtype if shape.dtype in KERNEL_DTYPES else "bfloat16"
     dtype = getattr(torch, dtype_name)
-    lens = contexts(t)
+    lens = contexts(t, sample)
     batches = [lens[i : i + BATCH] for i in range(0, len(lens), BATCH)]
     timer = _timer(dev)
     calls = {}
     for b in sizes:
         gen = torch.Generator().manual_seed(seed)
         calls[b] = [_batch_call(x, b, shape, dtype, dev, gen, kernel) for x in batches]
-        for call in calls[b] * WARMUP:
+        for call in calls[b] * warmup:
             call()
     floor = {b: [float("inf")] * len(batches) for b in sizes}
     for _ in range(runs):
