@@ -131,6 +131,8 @@ def test_compare_says_whether_and_why_it_changes(capsys):
     same = advise_json(capsys, "--lengths", DAY, "--compare", DAY, *LLAMA2_7B)
     assert same["compare"]["changes"] is False
     assert same["compare"]["reason"].startswith(f"unchanged at {day}: ")
+    rc, out, _ = cli(capsys, "advise", "--lengths", DAY, "--compare", DAY, *LLAMA2_7B)
+    assert out.rstrip().splitlines()[-1].startswith(f"compare: unchanged at {day}: ")
 
 
 def test_the_json_document(capsys):

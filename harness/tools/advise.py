@@ -245,7 +245,7 @@ def main(args) -> int:
     changed = am.compare(*advices) if len(advices) == 2 else None
     compare_line = None
     if changed is not None:
-        compare_line = f"{'changes' if changed[0] else 'unchanged'}: {changed[1]}"
+        compare_line = f"changes: {changed[1]}" if changed[0] else changed[1]
     if args.format == "json":
         doc = am.advice_doc(advices[0])
         if changed is not None:
