@@ -58,6 +58,10 @@ TOOLS = {
         "kvchaos.harness.conformance.suite",
         "test your block manager against the protocol's properties (Hypothesis, shrunk)",
     ),
+    "advise": (
+        "kvchaos.harness.tools.advise",
+        "advise a KV block size from the traffic's request lengths, for a model's shape",
+    ),
 }
 
 # Exit codes, per command: (code, name, meaning). The tools' own constants are checked against
@@ -97,6 +101,7 @@ EXITS = {
     ],
     "bench": [(0, "measured", "targets are reported, never asserted")],
     "clean": [(0, "cleaned", "the old run folders removed (or listed, with --dry-run)")],
+    "advise": [(0, "advised", "the table and a recommendation (advice, never a verdict)")],
     "conformance": [
         (0, "conforms", "every applicable property passed"),
         (1, "failed", "a property failed: its shrunk reproducer is printed"),
