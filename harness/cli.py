@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (KVChaosError, ValueError) as e:  # ValueError: flag values only the command can judge
         message = str(e)
+    except BrokenPipeError:  # `kvchaos ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except OSError as e:  # a path the command was given or writes to: named, with the reason
         if e.filename is None:
             raise
