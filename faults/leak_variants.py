@@ -101,11 +101,12 @@ def shape(variant: str, n: int, plan, cfg, rng) -> None:
             add(t + 2, "cancel", r, when="decode")
         elif variant in ("shared", "partial"):
             # the parent: two whole blocks and a partial one; the child forks it as it decodes
-            p = min(cap - 20, 2 * bs + 2)
-            add(t, "submit", f"{r}p", plan.prompt(p, rng), 16)
+            p = 2 * bs + 2
+            out = max(2, min(16, (cap - p) // 2))
+            add(t, "submit", f"{r}p", plan.prompt(p, rng), out)
             if variant == "partial":  # first: it waits a step, the child copies its last block
                 add(t, "cancel", f"{r}c", when="shared")
-            add(t, "fork", f"{r}c", (), 8, parent=f"{r}p", when="decode")
+            add(t, "fork", f"{r}c", (), out, parent=f"{r}p", when="decode")
             if variant == "shared":
                 add(t, "cancel", f"{r}c", when="shared")
         elif variant == "preempted":  # growth past the pool: the newest is preempted
