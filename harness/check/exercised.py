@@ -73,7 +73,7 @@ def leak_paths(events: list[dict]) -> dict[str, int]:
     of shared blocks (all shared, or shared and private: partial), preemption releases, and the
     cancels in all (rate)."""
     refused: set[str] = set()
-    last_refs: list | None = None
+    last_held: dict | None = None  # the latest snapshot's seq_blocks
     out = dict.fromkeys(
         ("cancels", "cancels_after_refused_admission", "frees_all_shared", "frees_partly_shared"),
         0,
@@ -81,14 +81,15 @@ def leak_paths(events: list[dict]) -> dict[str, int]:
     for e in events:
         kind = e.get("e")
         if kind == "snapshot":
-            last_refs = e["ref_counts"]
+            last_held = e["seq_blocks"]
         elif kind == "engine" and e.get("kind") == "refusal" and e["data"]["call"] == "admit":
             refused.add(e["data"]["seq"])
         elif kind == "cancel":
             out["cancels"] += 1
             out["cancels_after_refused_admission"] += e["req"] in refused
-            if e.get("shared") and last_refs is not None:
-                private = any(last_refs[b] == 1 for b in e.get("blocks", ()))
+            if e.get("shared") and last_held is not None:  # held by no one else: private
+                others = {b for s, bs in last_held.items() if s != e["req"] for b in bs}
+                private = any(b not in others for b in e.get("blocks", ()))
                 out["frees_partly_shared" if private else "frees_all_shared"] += 1
     end = next((e for e in reversed(events) if e.get("e") == "run_end"), {})
     out["preemption_releases"] = end.get("counters", {}).get("preemptions", 0)
