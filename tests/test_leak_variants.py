@@ -74,3 +74,19 @@ def test_a_manager_variant_says_where_it_does_not_apply():
     r = run_scenario(sc, 0, report_dir=None, block_manager=Delegate)
     truth = r.results["fault_verify"]["refcount_leak"]
     assert "not in Delegate" in (truth["not_applicable"] or ""), truth
+
+
+def test_the_soak_draws_every_variant_and_the_prefix_shapes_validly():
+    from kvchaos.harness.scenario.spec import parse_scenario
+    from kvchaos.harness.tools.soak_space import generate_scenario
+
+    variants, shapes = set(), 0
+    for seed in range(110):  # (the first shared draw: seed 105)
+        data = generate_scenario(seed)
+        sc = parse_scenario(data, f"<soak seed {seed}>")
+        for f in sc.faults:
+            REGISTRY[f.name].check_params(f.params, sc.engine_config())  # it fits the engine
+            if f.name == "refcount_leak":
+                variants.add(f.params.get("variant", "any"))
+        shapes += "shapes" in data["workload"]
+    assert variants == set(VARIANTS) and shapes > 0
