@@ -111,8 +111,9 @@ def shape(variant: str, n: int, plan, cfg, rng) -> None:
                 add(t, "cancel", f"{r}c", when="shared")
         elif variant == "preempted":  # growth past the pool: the newest is preempted
             _pressure(i, plan, cfg, add, rng)
-        elif variant == "retry":
-            _retry(i, plan, cfg, add, rng)
+        elif variant == "retry":  # and decode past the pool: preempted requests come back to
+            _retry(i, plan, cfg, add, rng)  # hits they must revive, refused while it is full
+            _pressure(i, plan, cfg, add, rng)
         elif variant == "rate":  # short requests, each cancelled while it decodes
             for j in range(RATE_STRIDE):
                 q, p = f"{r}r{j}", min(cap // 4, bs + 1)

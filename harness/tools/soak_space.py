@@ -217,6 +217,8 @@ def _fit_leak_variant(engine: dict, fault: dict) -> None:
     prefill a row longer than a chunk."""
     cache, v = engine["cache"], fault["params"]["variant"]
     bs, width = cache["block_size"], cache["max_blocks_per_seq"]
+    if v in ("preempted", "retry"):  # four requests decoding past the pool: preemptions
+        cache["num_blocks"] = min(cache["num_blocks"], 3 * width)
     if v == "prefill":
         engine["max_prefill_tokens"] = min(engine["max_prefill_tokens"], width * bs - 8)
     elif v == "retry":
@@ -226,7 +228,7 @@ def _fit_leak_variant(engine: dict, fault: dict) -> None:
         engine["max_prefill_tokens"] = mpt
         need = 3 + -(-mpt // bs)
         cache["max_blocks_per_seq"] = width = max(width, need + 4)
-        cache["num_blocks"] = min(max(cache["num_blocks"], need + 8), 4 * width + need - 1)
+        cache["num_blocks"] = min(max(cache["num_blocks"], need + 8), 3 * width)
 
 
 def _prefix_shapes(workload: dict, rng: random.Random) -> None:
