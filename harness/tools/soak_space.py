@@ -40,7 +40,8 @@ SPACE = {
     # of the leak classes; the shapes prefix-cache bugs need, rounds each, with a prefix cache
     "leak_variant": {
         "any": 0.4,
-        "others": ["prefill", "decode", "shared", "preempted", "retry", "partial", "rate"],
+        "variant": ["prefill", "decode", "shared", "preempted", "retry", "partial", "rate"],
+        "cancels": (1, 3),
     },
     "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
     "prefix_probability": 0.5,  # a workload's prompts share prefixes (system prompts, templates)
@@ -208,7 +209,8 @@ def _leak_variant(fault: dict, rng: random.Random) -> None:
     """Most draws take one of the leak classes; the rest keep the article's case (no param)."""
     spec = SPACE["leak_variant"]
     if rng.random() >= spec["any"]:
-        fault["params"] = {"variant": rng.choice(spec["others"]), "cancels": rng.randint(1, 3)}
+        v, n = rng.choice(spec["variant"]), _draw(rng, spec["cancels"])
+        fault["params"] = {"variant": v, "cancels": n}
 
 
 def _fit_leak_variant(engine: dict, fault: dict) -> None:
