@@ -13,7 +13,7 @@ and, kept by BlockPool.incref/decref alone:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvchaos.engine.block_table import BlockTable
 from kvchaos.engine.errors import OutOfBlocks, TableOverflow
@@ -74,6 +74,9 @@ class BlockManager:
         self.num_tokens: dict[str, int] = {}
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # set (a planted leak, faults/refcount_leak.py): release_skips(seq_id, reason, blocks)
+        # names the blocks whose reference the release keeps; None costs nothing
+        self.release_skips: Callable[[str, str, list], Sequence[int]] | None = None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -247,7 +250,11 @@ class BlockManager:
         row = self.rows.pop(seq_id)
         del self.num_tokens[seq_id]
         self.table.clear(row, len(blocks))
+        skip = list(self.release_skips(seq_id, reason, blocks)) if self.release_skips else ()
         for b in reversed(blocks):  # tail first: the prefix stays hot at the top of the stack
+            if b in skip:  # a planted leak: this reference is never dropped
+                skip.remove(b)
+                continue
             self.pool.decref(b)
         self._free_rows.append(row)
         return True

@@ -39,12 +39,16 @@ class PoolSeams:
     unlink_on_revive: bool = True  # a revive takes the block out of the free queue (atlas#373)
     evict_on_reuse: bool = True  # allocate drops the popped block's key (vllm#4761)
     key_after_compute: bool = True  # the manager keys a block once computed (vllm#34587)
+    # an admission checks for room before it touches its hit, so a refusal changes nothing
+    check_before_touch: bool = True
     on_defect: Callable[[str, dict], None] = _ignore  # a defect path changed what was done
     # set: told every admission's hit, on_admit(seq_id, hit blocks, revived blocks), before
     # allocate (a planted fault's trigger accounting); None costs nothing
     on_admit: Callable[[str, list, list], None] | None = None
     # set: called once the manager keyed a step's computed blocks (end_step), before any release
     on_end_step: Callable[[], None] | None = None
+    # set: told every refused admission, on_refused(seq_id, hit blocks); None costs nothing
+    on_refused: Callable[[str, list], None] | None = None
 
 
 def chain_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:

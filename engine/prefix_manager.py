@@ -11,7 +11,7 @@ Invariants (tests/test_prefix_manager.py checks them after every operation), bes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.engine.errors import OutOfBlocks
@@ -51,6 +51,9 @@ class PrefixCachingManager:
         self.early: dict[int, tuple[str, int]] = {}
         self.early_hits: list[tuple[str, list[int]]] = []
         self.known: dict[str, list[int]] = {}
+        # set (a planted leak, faults/refcount_leak.py): release_skips(seq_id, reason, blocks)
+        # names the blocks whose reference the release keeps; None costs nothing
+        self.release_skips: Callable[[str, str, list], Sequence[int]] | None = None
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -88,11 +91,16 @@ class PrefixCachingManager:
         total = h + min(num_new_tokens, len(token_ids) - h)
         revived = [b for b in hit if pool.ref[b] == 0]  # a revive takes a queued block
         need = len(revived) + -(-total // bs) - len(hit)
+        seams = pool.seams
         if need > pool.num_free:
+            if seams.on_refused is not None:
+                seams.on_refused(seq_id, hit)
+            if not seams.check_before_touch:  # a defect: the hit touched, then the refusal
+                for b in hit:
+                    pool.touch(b)
             raise OutOfBlocks(f"sequence {seq_id}: {need} blocks needed, {pool.num_free} free")
         for b in hit:
             pool.touch(b)
-        seams = pool.seams
         if seams.on_admit is not None:
             seams.on_admit(seq_id, hit, revived)
         if not seams.verify_hits and hit:  # a defect: what the trusted keys served
@@ -222,7 +230,11 @@ class PrefixCachingManager:
         if self.known:  # key_after_compute off
             self.known.pop(seq_id, None)
             self.early_hits = [x for x in self.early_hits if x[0] != seq_id]
+        skip = list(self.release_skips(seq_id, reason, blocks)) if self.release_skips else ()
         for b in reversed(blocks):
+            if b in skip:  # a planted leak: this reference is never dropped
+                skip.remove(b)
+                continue
             self.pool.free(b)
         return True
 

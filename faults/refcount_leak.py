@@ -1,12 +1,17 @@
 """Failure mode 2: reference-count leak on cancel. One cancel path skips the free, so the
-cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains."""
+cancelled sequence's blocks never return to the pool; under a cancel storm the pool drains.
+params.variant picks the leak class (faults/leak_variants.py); "any" is the article's case."""
 
 from __future__ import annotations
 
 from typing_extensions import NotRequired, TypedDict
 
-from kvchaos.faults import base
-from kvchaos.faults.base import FRACTION, Fault, ListOf, Num
+from kvchaos.engine.block_manager import BlockManager
+from kvchaos.engine.block_pool import PrefixBlockPool
+from kvchaos.engine.prefix_manager import PrefixCachingManager
+from kvchaos.faults import base, leak_variants
+from kvchaos.faults.base import FRACTION, Fault, ListOf, Num, OneOf, ParamError
+from kvchaos.faults.leak_variants import ENGINE_PATH, RATE_STRIDE, TEXT, VARIANTS
 from kvchaos.faults.plan import Action
 
 PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
@@ -20,11 +25,14 @@ class Leak(TypedDict):
 
 class Truth(base.Truth):
     leaks: NotRequired[list[Leak]]
+    variant: NotRequired[str]
+    not_applicable: NotRequired[str | None]
+    free_trend: NotRequired[list[list[int]]]  # [step, blocks lost so far] at each leak
 
 
 class RefcountLeak(Fault):
     name = "refcount_leak"
-    detectors = ("block_accounting", "liveness")
+    detectors = ("block_accounting", "liveness")  # retry: manager_calls too (its refusal)
     truth = Truth
     root_cause = (
         "A cancel path returned without releasing the sequence's blocks: their reference counts "
@@ -40,16 +48,68 @@ class RefcountLeak(Fault):
         "cancel_phases": ["prefill", "decode", "shared"],
         "storm_step": None,
         "storm_fraction": 0.5,
+        "variant": "any",
+        "cancels": 4,
     }
+    # params added after its first runs: described only when set, so the histories of runs that
+    # leave them unset stay what they were
+    LATER = ("variant", "cancels")
     domains = {
         "paths": ListOf(PATHS),
         "fraction": FRACTION,
         "cancel_phases": ListOf(PATHS),
         "storm_step": Num(int, ge=1, optional=True),
         "storm_fraction": FRACTION,
+        "variant": OneOf(VARIANTS),
+        "cancels": Num(int, ge=1, le=64),  # a variant's trigger rounds
     }  # storm_step None: no storm
 
+    def __init__(self, defect: bool, params: dict, seed: int) -> None:
+        super().__init__(defect, params, seed)
+        if self.p["variant"] in TEXT:
+            self.root_cause, self.remediation = TEXT[self.p["variant"]]
+
+    @classmethod
+    def label(cls, params: dict | None = None) -> str:
+        v = (params or {}).get("variant", "any")
+        return cls.name if v == "any" else f"{cls.name}/{v}"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["params"] = {
+            k: v for k, v in d["params"].items() if k not in self.LATER or v != self.defaults[k]
+        }
+        return d
+
+    @classmethod
+    def check_engine(cls, p: dict, cfg) -> None:
+        v, cc = p["variant"], cfg.cache
+        if v == "retry" and not cc.prefix_caching:
+            raise ParamError(
+                cls.name,
+                "variant",
+                "retry leaks a refused admission's cache hit: set [engine.cache] "
+                "prefix_caching = true",
+            )
+        if v == "retry" and leak_variants.retry_need(cfg) + 4 >= cc.num_blocks:
+            raise ParamError(
+                cls.name,
+                "variant",
+                f"retry's fillers hold all but {leak_variants.retry_need(cfg) - 1} blocks: "
+                f"[engine.cache] num_blocks {cc.num_blocks} is too small",
+            )
+        if v == "prefill" and cc.max_tokens_per_seq - 4 <= cfg.max_prefill_tokens:
+            raise ParamError(
+                cls.name,
+                "variant",
+                f"prefill's requests need more than one chunk ({cfg.max_prefill_tokens} "
+                f"tokens) within a row of {cc.max_tokens_per_seq}",
+            )
+
     def shape(self, plan, cfg) -> None:
+        if self.p["variant"] != "any":
+            leak_variants.shape(self.p["variant"], self.p["cancels"], plan, cfg, self.rng)
+            return
         subs = [a for a in plan.actions if a.op == "submit"]
         forks = [a for a in plan.actions if a.op == "fork"]
         for i, phase in enumerate(self.p["cancel_phases"]):
@@ -68,7 +128,14 @@ class RefcountLeak(Fault):
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
         self.leaked: list[dict] = []
-        paths, frac, rng = set(self.p["paths"]), self.p["fraction"], self.rng
+        self.engine, self.na, self.cancels_seen = engine, None, 0
+        v = self.p["variant"]
+        self.phase_offset = self.rng.randrange(RATE_STRIDE) if v == "rate" else 0
+        if v not in ENGINE_PATH:
+            self._arm_manager(engine, emit, v)
+            return
+        paths = set(self.p["paths"]) if v in ("any", "rate") else {v}
+        frac, rng = self.p["fraction"], self.rng
 
         def free_on_exit(seq, reason: str) -> bool:
             """The trigger is a cancel on one of the paths of a request holding blocks; with the
@@ -83,23 +150,91 @@ class RefcountLeak(Fault):
                 return True
             step = engine.step_count + 1
             self.trigger(step)
-            if self.defect and rng.random() < frac:
-                self.leaked.append({"req": seq.id, "path": path, "blocks": blocks, "step": step})
-                self.touch(requests=[seq.id], blocks=blocks)
-                self.fired(step, {"req": seq.id, "path": path, "blocks": blocks})
+            if v == "rate":  # one cancel in RATE_STRIDE, from a seeded offset
+                self.cancels_seen += 1
+                leak = (self.cancels_seen + self.phase_offset) % RATE_STRIDE == 0
+            else:
+                leak = rng.random() < frac
+            if self.defect and leak:
+                self._leak(step, seq.id, path, blocks)
                 return False
             self.remediated += 1
             return True
 
         engine.seams.free_on_exit = free_on_exit
 
+    def _leak(self, step: int, req: str, path: str, blocks: list[int]) -> None:
+        x = {"req": req, "path": path, "blocks": blocks, "step": step}
+        self.leaked.append(x)
+        self.touch(requests=[req], blocks=blocks)
+        if self.p["variant"] == "any":  # (the article's case records what it always did)
+            self.fired(step, {"req": req, "path": path, "blocks": blocks})
+            return
+        lost = sum(len(y["blocks"]) for y in self.leaked)
+        self.fired(step, {**x, "leaked_so_far": lost})
+
+    def _arm_manager(self, engine, emit, v: str) -> None:
+        """preempted, partial: the reference managers' release_skips; retry: the prefix pool's
+        check_before_touch. Another manager: not applicable, said so."""
+        m = getattr(engine.bm, "manager", engine.bm)
+        ref = isinstance(m, (BlockManager, PrefixCachingManager))
+        pool = getattr(m, "pool", None)
+        if v == "retry" and not isinstance(pool, PrefixBlockPool):
+            ref = False
+        if not ref:
+            what = "PrefixCachingManager" if v == "retry" else "BlockManager, PrefixCachingManager"
+            self.na = f"{v} plants in the reference managers ({what}), not in {type(m).__name__}"
+            emit("not_applicable", {"reason": self.na}, 0)
+            return
+        if v == "retry":
+            pool.seams.on_refused = self._refused
+            pool.seams.check_before_touch = not self.defect
+            return
+        refs = pool.ref
+        reason = "aborted" if v == "partial" else "preempted"
+
+        def release_skips(seq_id: str, why: str, blocks: list) -> list:
+            shared = [b for b in blocks if refs[b] > 1]
+            if why != reason or not blocks or (v == "partial" and not shared):
+                return []
+            step = engine.step_count + (0 if v == "preempted" else 1)
+            self.trigger(step)
+            if not self.defect:
+                self.remediated += 1
+                return []
+            kept = shared if v == "partial" else list(blocks)
+            self._leak(step, seq_id, "shared" if v == "partial" else "preempted", kept)
+            return kept
+
+        m.release_skips = release_skips
+
+    def _refused(self, seq_id: str, hit: list) -> None:
+        """A refused admission with a cache hit: the defect leaves the hit touched."""
+        if not hit:
+            return
+        step = self.engine.step_count
+        self.trigger(step)
+        if self.defect:
+            self._leak(step, seq_id, "retry", list(hit))
+        else:
+            self.remediated += 1
+
     def verify(self) -> dict:
-        return {
+        out = {
             **super().verify(),
             "skipped_frees": len(self.leaked),
             "leaked_blocks": sum(len(x["blocks"]) for x in self.leaked),
             "leaks": self.leaked,
         }
+        if self.p["variant"] != "any":  # (the article's case records what it always did)
+            out["variant"] = self.p["variant"]
+            out["not_applicable"] = getattr(self, "na", None)
+            trend, lost = [], 0
+            for x in self.leaked:
+                lost += len(x["blocks"])
+                trend.append([x["step"], lost])
+            out["free_trend"] = trend  # [step, blocks lost so far]: the pool's drain
+        return out
 
     @classmethod
     def explains(cls, finding: dict, truth: dict) -> str | None:
@@ -111,6 +246,8 @@ class RefcountLeak(Fault):
         blocks = {b for x in leaks for b in x["blocks"]}
         if kind == "leak":
             return "cause" if ev.get("req") in reqs else None
+        if kind == "refusal_changed_state":  # retry: the refusal left its hit touched
+            return "cause" if ev.get("seq") in reqs else None
         if kind in ("refcount", "free_referenced", "conservation"):
             named = set(ev.get("blocks") or [])
             return "cause" if named and named <= blocks else None

@@ -3,6 +3,8 @@ say so. Read from the history alone (a stored run gives the same table)."""
 
 from __future__ import annotations
 
+from kvchaos.harness.check.shapes import prefix_shapes
+
 PHASES = ("waiting", "prefill", "decode", "preempted", "shared")
 NEEDS_FORK = ("fork_calls", "copy_on_write_copies", "frees_of_shared_blocks")
 
@@ -56,4 +58,39 @@ def exercised(events: list[dict]) -> dict:
         k for k, v in paths.items() if v == 0 and not k.startswith("refus") and k not in lacking
     ]
     paths["not_applicable"] = lacking
+    # the paths the refcount_leak variants break, and (with a prefix cache) the shapes prefix
+    # cache bugs need: counts, never "not exercised" (most runs need none of them)
+    paths["leak_paths"] = leak_paths(events)
+    if "shared_kv_reads" in paths:
+        cc = start.get("config", {}).get("cache", {})
+        if cc.get("block_size") and cc.get("num_blocks"):
+            paths["prefix_shapes"] = prefix_shapes(events, cc["block_size"], cc["num_blocks"])
     return paths
+
+
+def leak_paths(events: list[dict]) -> dict[str, int]:
+    """Cancels per phase (prefill, decode, waiting after a refused admission, preempted), frees
+    of shared blocks (all shared, or shared and private: partial), preemption releases, and the
+    cancels in all (rate)."""
+    refused: set[str] = set()
+    last_held: dict | None = None  # the latest snapshot's seq_blocks
+    out = dict.fromkeys(
+        ("cancels", "cancels_after_refused_admission", "frees_all_shared", "frees_partly_shared"),
+        0,
+    )
+    for e in events:
+        kind = e.get("e")
+        if kind == "snapshot":
+            last_held = e["seq_blocks"]
+        elif kind == "engine" and e.get("kind") == "refusal" and e["data"]["call"] == "admit":
+            refused.add(e["data"]["seq"])
+        elif kind == "cancel":
+            out["cancels"] += 1
+            out["cancels_after_refused_admission"] += e["req"] in refused
+            if e.get("shared") and last_held is not None:  # held by no one else: private
+                others = {b for s, bs in last_held.items() if s != e["req"] for b in bs}
+                private = any(b not in others for b in e.get("blocks", ()))
+                out["frees_partly_shared" if private else "frees_all_shared"] += 1
+    end = next((e for e in reversed(events) if e.get("e") == "run_end"), {})
+    out["preemption_releases"] = end.get("counters", {}).get("preemptions", 0)
+    return out

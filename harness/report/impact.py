@@ -94,6 +94,8 @@ def blocks_leaked(v: RunView, findings: list[dict], planted_fv: dict) -> dict:
         "fault_verify_blocks": verified,
         "fault_verify_skipped_frees": planted_fv.get("skipped_frees") if planted_fv else None,
         "matches_fault_verify": None if verified is None else set(verified) == set(named),
+        # [step, blocks lost so far] at each leak (refcount_leak's variants): the pool's drain
+        "drain": planted_fv.get("free_trend") if planted_fv else None,
     }
 
 

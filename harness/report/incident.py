@@ -240,6 +240,13 @@ def _summary(kind, fault, det, impact, fv, bm) -> str:
     if bl["fault_verify_blocks"] is not None:
         same = "matches" if bl["matches_fault_verify"] else "does NOT match"
         bits[-1] += f" (the fault's verify(): {len(bl['fault_verify_blocks'])}, {same})"
+    if bl.get("drain"):  # the free pool's trend: what a long run loses at this rate
+        steps, lost = [x[0] for x in bl["drain"]], bl["drain"][-1][1]
+        at = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        bits[-1] += (
+            f"; the pool lost {lost} blocks in {steps[-1]} steps "
+            f"({lost * 1000 / max(1, steps[-1]):.0f} per 1000 steps; leaks at steps {at})"
+        )
     if lat and lat["ratio"] and _latency_matters(det):
         bits.append(f"{lat['signal']} x{lat['ratio']:.1f} against the run's baseline")
     bits.append(

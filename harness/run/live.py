@@ -54,7 +54,12 @@ class LiveRun:
         )
         self.faults = [make_fault(f.name, f.defect, f.params, seed) for f in sc.faults]
         self.plan = build_plan(
-            sc.workload, self.cfg.model.vocab_size, seed, self.cfg.cache.block_size
+            sc.workload,
+            self.cfg.model.vocab_size,
+            seed,
+            self.cfg.cache.block_size,
+            self.cfg.cache,
+            self.cfg.max_prefill_tokens,
         )
         for f in self.faults:
             f.shape(self.plan, self.cfg)

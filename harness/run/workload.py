@@ -8,6 +8,7 @@ import math
 import random
 
 from kvchaos.faults.plan import Action, Plan
+from kvchaos.harness.run.shapes import add_shapes
 from kvchaos.harness.scenario.spec import LengthDist, PrefixSpec, Workload, read_lengths
 
 
@@ -81,8 +82,11 @@ class SharedPrompts:
             prev = turn.req
 
 
-def build_plan(w: Workload, vocab: int, seed: int, block_size: int = 16) -> Plan:
-    """block_size: the engine's (segments of a prefix workload are whole blocks)."""
+def build_plan(
+    w: Workload, vocab: int, seed: int, block_size: int = 16, cache=None, chunk: int = 0
+) -> Plan:
+    """block_size: the engine's (segments of a prefix workload are whole blocks); cache (the
+    engine's CacheConfig) and chunk (its max_prefill_tokens): what [workload.shapes] is cut to."""
     rng = random.Random(f"{seed}/workload")
     plan = Plan(vocab, rng)
     shared = SharedPrompts(w.prefix, plan, w, seed, block_size) if w.prefix else None
@@ -115,6 +119,8 @@ def build_plan(w: Workload, vocab: int, seed: int, block_size: int = 16) -> Plan
                 when="decode",
             )
         )
+    if w.shapes is not None and cache is not None:
+        add_shapes(plan, w.shapes, seed, cache, chunk or 2 * block_size)
     c = w.cancel
     for a in submitted:
         if rng.random() < c.rate:

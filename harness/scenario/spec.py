@@ -110,6 +110,15 @@ class PrefixSpec(_Strict):
         return share
 
 
+class ShapeSpec(_Strict):
+    """Rounds of the shapes real prefix-cache bugs need (harness/run/shapes.py), on any manager."""
+
+    boilerplate: int = Field(0, ge=0, le=64)  # the same blocks after two prefixes, queue cycled
+    prefill_aborts: int = Field(0, ge=0, le=64)  # a cancel after a prompt's first chunk
+    pressure_hits: int = Field(0, ge=0, le=64)  # admissions with hits on a nearly full pool
+    whole_blocks: int = Field(0, ge=0, le=64)  # a prompt of whole blocks, again once cached
+
+
 class Workload(_Strict):
     num_requests: int = Field(16, ge=0)
     arrival_rate: float = Field(1.0, gt=0.0)  # mean requests per step (Poisson)
@@ -120,6 +129,7 @@ class Workload(_Strict):
     fork_extra_tokens: int = Field(4, ge=0)
     cancel: CancelSpec = CancelSpec()
     prefix: PrefixSpec | None = None  # absent: no shared prefixes
+    shapes: ShapeSpec | None = None  # absent: none of the prefix-cache bug shapes
 
     @field_validator("lengths_file")
     @classmethod

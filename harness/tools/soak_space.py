@@ -36,6 +36,14 @@ SPACE = {
     },
     # a stall needs a steady decode-only stretch to measure a trend against its own baseline
     "stall_workload": {"num_requests": (1, 4), "output_len": (70, 100), "prompt_max": (4, 12)},
+    # refcount_leak's variant (own stream): "any" (the article's case, as first drawn) or one
+    # of the leak classes; the shapes prefix-cache bugs need, rounds each, with a prefix cache
+    "leak_variant": {
+        "any": 0.4,
+        "variant": ["prefill", "decode", "shared", "preempted", "retry", "partial", "rate"],
+        "cancels": (1, 3),
+    },
+    "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
     "prefix_probability": 0.5,  # a workload's prompts share prefixes (system prompts, templates)
     "fault_probability": 0.4,  # each failure mode's trigger is in the mix with this probability
     "defect_probability": 0.5,  # and, when it is, its defect is planted with this one
@@ -109,6 +117,9 @@ def generate_scenario(seed: int) -> dict:
                 }
             )
     names = [f["name"] for f in faults]
+    leak = next((f for f in faults if f["name"] == "refcount_leak"), None)
+    if leak is not None:
+        _leak_variant(leak, random.Random(f"{seed}/soak/refcount_leak/variant"))
     width = _draw(rng, e["max_blocks_per_seq"])
     engine = {
         "max_prefill_tokens": _draw(rng, e["max_prefill_tokens"]),
@@ -153,6 +164,10 @@ def generate_scenario(seed: int) -> dict:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
         _share_prefixes(cache, workload, random.Random(f"{seed}/soak/prefix"))
+    if leak is not None and "variant" in leak["params"]:
+        _fit_leak_variant(engine, leak)
+    if cache.get("prefix_caching") and "cancel" in workload:
+        _prefix_shapes(workload, random.Random(f"{seed}/soak/shapes"))
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
@@ -188,6 +203,44 @@ def _excluded(name: str, faults: list[dict]) -> bool:
     """A stall is judged on a steady decode-only stretch, which the prefix_cache trigger's
     prefills would break: the two are never drawn together."""
     return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
+
+
+def _leak_variant(fault: dict, rng: random.Random) -> None:
+    """Most draws take one of the leak classes; the rest keep the article's case (no param)."""
+    spec = SPACE["leak_variant"]
+    if rng.random() >= spec["any"]:
+        v, n = rng.choice(spec["variant"]), _draw(rng, spec["cancels"])
+        fault["params"] = {"variant": v, "cancels": n}
+
+
+def _fit_leak_variant(engine: dict, fault: dict) -> None:
+    """What each variant's trigger needs of the engine (faults/refcount_leak.py check_engine):
+    retry a prefix cache, a pool its fillers can hold all but a few blocks of, and rows for them;
+    prefill a row longer than a chunk."""
+    cache, v = engine["cache"], fault["params"]["variant"]
+    bs, width = cache["block_size"], cache["max_blocks_per_seq"]
+    if v in ("preempted", "retry"):  # four requests decoding past the pool: preemptions
+        cache["num_blocks"] = min(cache["num_blocks"], 3 * width)
+    if v == "prefill":
+        engine["max_prefill_tokens"] = min(engine["max_prefill_tokens"], width * bs - 8)
+    elif v == "retry":
+        cache["prefix_caching"] = True
+        cache["max_num_seqs"] = max(cache["max_num_seqs"], 6)
+        mpt = max(bs, min(engine["max_prefill_tokens"], (width - 4) * bs))
+        engine["max_prefill_tokens"] = mpt
+        need = 3 + -(-mpt // bs)
+        cache["max_blocks_per_seq"] = width = max(width, need + 4)
+        cache["num_blocks"] = min(max(cache["num_blocks"], need + 8), 3 * width)
+
+
+def _prefix_shapes(workload: dict, rng: random.Random) -> None:
+    """With a prefix cache, half the draws add the shapes its bugs need (own stream)."""
+    spec = SPACE["prefix_shapes"]
+    if rng.random() < spec["probability"]:
+        workload["shapes"] = {
+            k: _draw(rng, spec["rounds"])
+            for k in ("boilerplate", "prefill_aborts", "pressure_hits", "whole_blocks")
+        }
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
