@@ -65,6 +65,9 @@ SPACE = {
             "pressure_tokens": [0],
         },
     },
+    # the table_overflow variant, drawn on its own stream (the default's seeds stay as they were):
+    # the default this share of the time, else one of the others
+    "table_overflow_default_share": 0.4,
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
         "table_overflow": 2,
@@ -101,6 +104,8 @@ def generate_scenario(seed: int) -> dict:
         r = random.Random(f"{seed}/soak/{name}") if name in OWN_STREAM else rng
         if r.random() < SPACE["fault_probability"] and not _excluded(name, faults):
             params = {k: _draw(r, spec) for k, spec in SPACE["faults"][name].items()}
+            if name == "table_overflow":
+                params.update(_table_overflow_variant(seed))
             faults.append(
                 {
                     "name": name,
@@ -149,6 +154,8 @@ def generate_scenario(seed: int) -> dict:
                 "phases": _draw(rng, w["cancel_phases"]),
             },
         }
+    if "table_overflow" in names:
+        _fit_table_overflow(engine, next(f for f in faults if f["name"] == "table_overflow"))
     if "prefix_cache" in names:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
@@ -188,6 +195,33 @@ def _excluded(name: str, faults: list[dict]) -> bool:
     """A stall is judged on a steady decode-only stretch, which the prefix_cache trigger's
     prefills would break: the two are never drawn together."""
     return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
+
+
+def _table_overflow_variant(seed: int) -> dict:
+    """{} for the default variant (its scenario as before variants), else {"variant": v}."""
+    from kvchaos.faults.table_overflow import DEFAULT, VARIANTS
+
+    r = random.Random(f"{seed}/soak/table_overflow/variant")
+    if r.random() < SPACE["table_overflow_default_share"]:
+        return {}
+    return {"variant": r.choice([v for v in VARIANTS if v != DEFAULT])}
+
+
+def _fit_table_overflow(engine: dict, fault: dict) -> None:
+    """What a table_overflow variant needs of the engine: a resize policy (stride_mismatch), a
+    block of 3+ tokens (floor_width), a prefill chunk that crosses a row's end mid-chunk
+    (chunked_growth)."""
+    v, cache = fault["params"].get("variant"), engine["cache"]
+    if v == "stride_mismatch":
+        cache["overflow_policy"] = "resize"
+    elif v == "floor_width" and cache["block_size"] < 3:
+        cache["block_size"] = 4
+    elif v == "chunked_growth":
+        cap = cache["max_blocks_per_seq"] * cache["block_size"]
+        mpt = min(engine["max_prefill_tokens"], cap - 1)
+        while mpt > 2 and cap % mpt == 0:
+            mpt -= 1
+        engine["max_prefill_tokens"] = mpt
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
