@@ -67,7 +67,7 @@ def test_the_default_variant_keeps_its_name_params_and_record():
 def test_params_that_do_not_fit_the_engine_are_refused_naming_the_key():
     cases = {
         ("floor_width", replace(CFG, cache=replace(CFG.cache, block_size=2))): "block_size >= 3",
-        ("stride_mismatch", CFG): 'overflow_policy = "resize", got \'reject\'',
+        ("stride_mismatch", CFG): "overflow_policy = \"resize\", got 'reject'",
         ("chunked_growth", replace(CFG, max_prefill_tokens=32)): "max_prefill_tokens 32",
         ("chunked_growth", replace(CFG, max_prefill_tokens=64)): "below a row's 64 tokens",
     }
