@@ -156,7 +156,9 @@ def test_the_article_s_resize_remediation_holds_at_its_shape():
 
 # -- the soak ----------------------------------------------------------------------------------
 def test_the_soak_draws_every_variant_on_an_engine_it_fits():
-    from kvchaos.harness.tools.soak_space import generate_scenario
+    from kvchaos.harness.tools.soak_space import SPACE, generate_scenario
+
+    assert SPACE["faults"]["table_overflow"]["variant"] == OTHERS  # the default: its own share
 
     seen = set()
     for seed in range(300):

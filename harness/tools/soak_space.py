@@ -46,6 +46,15 @@ SPACE = {
             "overshoot": (1.1, 2.0),
             "boundary": [True, False],
             "neighbours": (1, 4),
+            # drawn on its own stream (OWN_STREAM_PARAMS), the default this share of the time
+            "variant": [
+                "article",
+                "off_by_one",
+                "floor_width",
+                "stride_mismatch",
+                "last_row",
+                "chunked_growth",
+            ],
         },
         "refcount_leak": {
             "cancel_phases": {"subset": ["prefill", "decode", "shared"], "min": 1},
@@ -65,8 +74,7 @@ SPACE = {
             "pressure_tokens": [0],
         },
     },
-    # the table_overflow variant, drawn on its own stream (the default's seeds stay as they were):
-    # the default this share of the time, else one of the others
+    # the table_overflow variant: its default (unchecked) this share of the time
     "table_overflow_default_share": 0.4,
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
@@ -80,6 +88,9 @@ SPACE = {
 # Failure modes added after the soak's first draws take their own random stream: every seed's
 # draws for the others stay what they were.
 OWN_STREAM = ("prefix_cache",)
+# Params added after a failure mode's first draws: each on a stream of its own, drawn after the
+# others (every seed's draws of the rest stay what they were)
+OWN_STREAM_PARAMS = {"table_overflow": ("variant",)}
 
 
 def _draw(rng: random.Random, spec):
@@ -103,7 +114,8 @@ def generate_scenario(seed: int) -> dict:
     for name in REGISTRY:
         r = random.Random(f"{seed}/soak/{name}") if name in OWN_STREAM else rng
         if r.random() < SPACE["fault_probability"] and not _excluded(name, faults):
-            params = {k: _draw(r, spec) for k, spec in SPACE["faults"][name].items()}
+            own = OWN_STREAM_PARAMS.get(name, ())
+            params = {k: _draw(r, v) for k, v in SPACE["faults"][name].items() if k not in own}
             if name == "table_overflow":
                 params.update(_table_overflow_variant(seed))
             faults.append(
@@ -199,12 +211,10 @@ def _excluded(name: str, faults: list[dict]) -> bool:
 
 def _table_overflow_variant(seed: int) -> dict:
     """{} for the default variant (its scenario as before variants), else {"variant": v}."""
-    from kvchaos.faults.table_overflow import DEFAULT, VARIANTS
-
     r = random.Random(f"{seed}/soak/table_overflow/variant")
     if r.random() < SPACE["table_overflow_default_share"]:
         return {}
-    return {"variant": r.choice([v for v in VARIANTS if v != DEFAULT])}
+    return {"variant": r.choice(SPACE["faults"]["table_overflow"]["variant"])}
 
 
 def _fit_table_overflow(engine: dict, fault: dict) -> None:
