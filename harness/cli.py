@@ -159,6 +159,13 @@ def _print_json(doc) -> None:
     print(json.dumps(doc, indent=1, default=str), flush=True)
 
 
+def _label(fault) -> str:
+    """A scenario's fault as incidents name it: with its variant (prefix_cache/weak_key)."""
+    from kvchaos.faults import REGISTRY
+
+    return REGISTRY[fault.name].label(fault.params)
+
+
 def cmd_list(args) -> int:
     from rich.markup import escape
     from rich.table import Table
@@ -172,7 +179,9 @@ def cmd_list(args) -> int:
         t.add_column(col)
     for s in scs:
         faults = (
-            ", ".join(f"{f.name}{' (defect)' if f.defect else ' (trigger only)'}" for f in s.faults)
+            ", ".join(
+                f"{_label(f)}{' (defect)' if f.defect else ' (trigger only)'}" for f in s.faults
+            )
             or "-"
         )
         exp = s.expect.outcome + (

@@ -168,3 +168,12 @@ def test_the_soak_draws_every_variant_on_an_engine_it_fits():
             seen.add(to[0]["params"].get("variant", DEFAULT))
             parse_scenario(d, f"<soak {seed}>")  # its params fit the engine drawn
     assert seen == set(VARIANTS)
+
+
+def test_list_names_each_scenario_s_variant(capsys):
+    from kvchaos.harness.cli import main
+
+    assert main(["list", "--tag", "fault_table_overflow"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    for v in OTHERS:
+        assert f"table_overflow/{v}" in out
