@@ -131,7 +131,8 @@ class TableOverflow(Fault):
         "neighbours": COUNT,
         "variant": OneOf(VARIANTS),
     }
-    # the other variants' requests: at_step, long_requests (article, last_row) and neighbours
+    # the other variants read at_step and neighbours; article and stride_mismatch long_requests,
+    # stride_mismatch overshoot too (table_overflow_shapes.py)
 
     def __init__(self, defect: bool, params: dict, seed: int) -> None:
         super().__init__(defect, params, seed)
@@ -165,7 +166,10 @@ class TableOverflow(Fault):
                 f'"resize", got {cc.overflow_policy!r}'
             )
         elif v == "stride_mismatch" and cfg.tp_mode != "simulated":
-            problem = "stride_mismatch plants in the simulated ranks' kernels: tp_mode simulated"
+            problem = (
+                "stride_mismatch plants in the simulated ranks' kernels: set [engine] tp_mode = "
+                f'"simulated", got {cfg.tp_mode!r}'
+            )
         elif v == "chunked_growth" and (
             mpt >= cc.max_tokens_per_seq or cc.max_tokens_per_seq % mpt == 0
         ):
