@@ -17,17 +17,17 @@ def _submit(f, plan, step: int, req: str, prompt: int, out: int, over: bool = Fa
         f.overlong.append(req)
 
 
-def _outlive(cfg, prompt: int) -> int:
+def _outlive(cfg, prompt: int, margin: int = 16) -> int:
     """Output tokens that keep a neighbour decoding until a request of `prompt` tokens has been
     prefilled and decoded a few tokens (so a spill has a live victim), within a row."""
     cap = cfg.cache.max_tokens_per_seq
-    return max(1, min(cap - 8, -(-prompt // cfg.max_prefill_tokens) + 16))
+    return max(1, min(cap - 8, -(-prompt // cfg.max_prefill_tokens) + margin))
 
 
-def _neighbours(f, plan, cfg, step: int, prompt: int, n: int | None = None) -> None:
+def _neighbours(f, plan, cfg, step: int, prompt: int, n=None, margin: int = 16) -> None:
     cap = cfg.cache.max_tokens_per_seq
     for i in range(f.p["neighbours"] if n is None else n):
-        _submit(f, plan, step, f"nb{i}", min(8, cap // 2), _outlive(cfg, prompt))
+        _submit(f, plan, step, f"nb{i}", min(8, cap // 2), _outlive(cfg, prompt, margin))
 
 
 def article(f, plan, cfg) -> None:
@@ -36,7 +36,9 @@ def article(f, plan, cfg) -> None:
     cap, step = cfg.cache.max_tokens_per_seq, f.p["at_step"]
     for i in range(f.p["long_requests"]):
         _submit(f, plan, step, f"long{i}", cap - 2, 4, over=True)
-    _neighbours(f, plan, cfg, step, cap - 2)
+    # they outlive the spill (its 3rd decode step) by a few steps: at the article's shape a long
+    # decode-only tail is all the run would add
+    _neighbours(f, plan, cfg, step, cap - 2, margin=8)
 
 
 def off_by_one(f, plan, cfg) -> None:
