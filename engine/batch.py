@@ -35,7 +35,8 @@ class BatchBuilder:
     def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
         """Token ids, positions and, per rank, the slot mapping and attention tables, all read
         through that rank's own copy of the flat table."""
-        bs, width = self.bm.block_size, self.table.table.width
+        # the stride the kernels index rows with: the table's width unless a seam pins another
+        bs, width = self.bm.block_size, self.seams.kernel_stride or self.table.table.width
         rows, tok, pos = self._batch_inputs(decode, prefill)
         dev = self.device
         nt, nd = len(tok), len(decode)

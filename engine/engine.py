@@ -179,7 +179,10 @@ class Engine(BatchBuilder):
             )
         if blocks > table.width:
             self.counters["overlong_requests"] += 1
-        if blocks > table.width and self.seams.admission_check:
+        judged = blocks
+        if self.seams.admission_blocks is not None:
+            judged = self.seams.admission_blocks(total, len(tokens))
+        if judged > table.width and self.seams.admission_check:
             if self.config.cache.overflow_policy == "resize":
                 self.table.resize(width=blocks)
                 self.counters["table_resizes"] += 1
@@ -295,6 +298,12 @@ class Engine(BatchBuilder):
             self.bm.release(seq.id, RELEASE_REASONS[why])
         seq.holds = False
         self.table.drop(seq.id)  # a skipped free leaks blocks; an engine-built row goes anyway
+
+    def kernel_stride(self) -> int | None:
+        """The stride the kernels read the flat table with, where it is not the table's width
+        (None: they read the table as the host lays it out)."""
+        ks = self.seams.kernel_stride
+        return None if ks is None or ks == self.table.table.width else ks
 
     def snapshot(self):
         """The manager's snapshot; a table the engine builds replaces its table fields (an owned

@@ -30,6 +30,13 @@ def _nothing() -> None:
 class Seams:
     # Reject (or, by policy, make room for) a request that can never fit a table row.
     admission_check: bool = True
+    # Set: the blocks admission judges a request to need against a row's width,
+    # admission_blocks(total_tokens, prompt_tokens). None (the default): every token's,
+    # ceil(total / block_size). A planted defect miscounts (an off-by-one, a token limit).
+    admission_blocks: Callable[[int, int], int] | None = None
+    # Set: the row stride the kernels index the flat table with (row * stride + index). None (the
+    # default): the table's own width, whatever it was resized to.
+    kernel_stride: int | None = None
     # Re-allocate the host staging buffer when it is not valid in this process.
     staging_check: bool = True
     # Ranks acknowledge the current table version before computing.

@@ -1,20 +1,103 @@
 """Failure mode 1: block-table overflow. A request needs more blocks than a table row holds; with
 no bound check the write lands in the next row of the flat table and silently corrupts a
-neighbour."""
+neighbour. Variants (`params.variant`), each a bug class a real engine shipped:
+
+  unchecked        the default: no admission check and no bound check on the table index
+  article          the source article's reproduction: a request of width x block_size + 2 tokens
+                   (2050 on its 128 x 16 rows), admitted unchecked, its last block spills
+  off_by_one       admission is on but counts one block short (the last block's index compared
+                   with > instead of >=): a request one block over the row is admitted and spills
+                   (the allocation past max_num_blocks_per_req of vllm#10730; vllm#23316)
+  floor_width      admission checks a max_model_len, the row was sized floor(max_model_len /
+                   block_size): a request of max_model_len tokens spills its last block (vllm#10730
+                   sized rows max_model_len // block_size; vllm#39324 an unusual max_model_len)
+  stride_mismatch  read side: after a resize the kernels keep the old row stride, so every row but
+                   the first reads entries of another while the host table is right
+                   (local-inference-lab/b12x#85, vllm-ascend#10112)
+  last_row         the over-long request holds the table's last row: its spill runs past the end
+                   of the buffer (vllm#45462: an index past the whole block table)
+  chunked_growth   admission counts the first prefill chunk only: a later chunk crosses the row's
+                   end mid-chunk (vllm#56469, kekzl/imp#134)
+
+The remediation is the engine's: admission counts every token's blocks and rejects (429-style) or
+resizes by policy, the table refuses a write past a row's width, the kernels read the table at its
+own stride, and a row is sized cdiv(max_model_len, block_size). The default variant keeps the
+plain name and its params as before it had variants (histories recorded then compare)."""
 
 from __future__ import annotations
 
 from typing_extensions import NotRequired
 
 from kvchaos.faults import base
-from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num
+from kvchaos.faults import table_overflow_shapes as shapes
+from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num, OneOf, ParamError
 from kvchaos.faults.plan import Action
 
 REMEDIES = ("overlong_rejected", "table_resizes")  # the engine's answers to an over-long request
+VARIANTS = (
+    "unchecked",
+    "article",
+    "off_by_one",
+    "floor_width",
+    "stride_mismatch",
+    "last_row",
+    "chunked_growth",
+)
+DEFAULT = VARIANTS[0]
+TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unchecked: the class's)
+    "article": (
+        "The article's case: with no length check at admission and no bound check on the table "
+        "index, a request of width x block_size + 2 tokens (2050 on rows of 128 blocks of 16) "
+        "was admitted and its block at index width was written at row * width + width, entry 0 "
+        "of the next row, which the neighbouring sequence (and the kernel) then read.",
+        "Check the length at admission: reject a request that can never fit with a 429-style "
+        "error, or resize the table in sync (the kernels read the new width); refuse any table "
+        "write past a row's width.",
+    ),
+    "off_by_one": (
+        "Admission checked the row's width one block short (the last block's index compared with "
+        "> instead of >=): a request needing width + 1 blocks was admitted and, with no bound "
+        "check on the table index, its last block spilled into the next row (the allocation past "
+        "max_num_blocks_per_req fixed in vllm#10730; vllm#23316).",
+        "Admission counts ceil(tokens / block_size) blocks and rejects more than the width; the "
+        "table refuses a write past a row's width.",
+    ),
+    "floor_width": (
+        "The row was sized floor(max_model_len / block_size) while admission let in up to "
+        "max_model_len tokens: a request of max_model_len tokens (not a multiple of block_size) "
+        "needed one block more than a row holds and spilled it into the next row (vllm#10730's "
+        "rows of max_model_len // block_size; vllm#39324).",
+        "Size a row cdiv(max_model_len, block_size) blocks, so every admitted request fits.",
+    ),
+    "stride_mismatch": (
+        "After the table was resized wider, the kernels kept indexing it with the old row stride "
+        "(a stride cached at the first launch): row 0 stayed right, every later row read and "
+        "wrote through entries of another row while the host table was correct "
+        "(local-inference-lab/b12x#85; vllm-ascend#10112).",
+        "Pass the table's current row stride to every launch (resize in sync): the kernels read "
+        "row r at r * width.",
+    ),
+    "last_row": (
+        "With no bound check, the over-long request held the table's last row: its spilled "
+        "entry fell past the end of the whole buffer, and the kernel read whatever lies there "
+        "(vllm#45462: an index past the block table's end).",
+        "Check the length at admission (429-style, or resize by policy); refuse any table write "
+        "past a row's width, the last row's too.",
+    ),
+    "chunked_growth": (
+        "Admission counted the blocks of the request's first prefill chunk, not of the whole "
+        "request: a prompt longer than a row was admitted, and a later chunk's growth crossed "
+        "the row's end mid-chunk, its tail blocks written past the row (vllm#56469; "
+        "kekzl/imp#134).",
+        "Admission counts every token of the request; the growth of each chunk is checked "
+        "against the row's width before anything is written.",
+    ),
+}
 
 
 class Truth(base.Truth):
     overlong: NotRequired[list[str]]  # the requests only the missing bound check let in
+    variant: NotRequired[str]  # absent: the default
 
 
 class TableOverflow(Fault):
@@ -37,6 +120,7 @@ class TableOverflow(Fault):
         "overshoot": 1.5,
         "boundary": True,
         "neighbours": 3,
+        "variant": DEFAULT,
     }
     # overshoot: the long request's length in rows; at most one row, it fits and is no trigger
     domains = {
@@ -45,9 +129,63 @@ class TableOverflow(Fault):
         "overshoot": Num(float, gt=1),
         "boundary": BOOL,
         "neighbours": COUNT,
+        "variant": OneOf(VARIANTS),
     }
+    # the other variants read at_step and neighbours; article and stride_mismatch long_requests,
+    # stride_mismatch overshoot too (table_overflow_shapes.py)
+
+    def __init__(self, defect: bool, params: dict, seed: int) -> None:
+        super().__init__(defect, params, seed)
+        self.variant = self.p["variant"]
+        if self.variant != DEFAULT:
+            self.root_cause, self.remediation = TEXT[self.variant]
+
+    @classmethod
+    def label(cls, params: dict | None = None) -> str:
+        v = (params or {}).get("variant", DEFAULT)
+        return cls.name if v == DEFAULT else f"{cls.name}/{v}"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self.variant == DEFAULT:  # as recorded before there were variants
+            d["params"] = {k: v for k, v in self.p.items() if k != "variant"}
+        return d
+
+    @classmethod
+    def check_engine(cls, p: dict, cfg) -> None:
+        v, cc, mpt = p["variant"], cfg.cache, cfg.max_prefill_tokens
+        problem = None
+        if v == "floor_width" and cc.block_size < 3:
+            problem = (
+                "floor_width needs a max_model_len two tokens or more past a block boundary and "
+                f"inside the next block: [engine.cache] block_size >= 3, got {cc.block_size}"
+            )
+        elif v == "stride_mismatch" and cc.overflow_policy != "resize":
+            problem = (
+                "stride_mismatch reads a resized table: set [engine.cache] overflow_policy = "
+                f'"resize", got {cc.overflow_policy!r}'
+            )
+        elif v == "stride_mismatch" and cfg.tp_mode != "simulated":
+            problem = (
+                "stride_mismatch plants in the simulated ranks' kernels: set [engine] tp_mode = "
+                f'"simulated", got {cfg.tp_mode!r}'
+            )
+        elif v == "chunked_growth" and (
+            mpt >= cc.max_tokens_per_seq or cc.max_tokens_per_seq % mpt == 0
+        ):
+            problem = (
+                f"chunked_growth needs a prefill chunk that crosses a row's end mid-chunk: "
+                f"[engine] max_prefill_tokens {mpt} must be below a row's "
+                f"{cc.max_tokens_per_seq} tokens and not divide them"
+            )
+        if problem:
+            raise ParamError(cls.name, "variant", problem)
 
     def shape(self, plan, cfg) -> None:
+        if self.variant != DEFAULT:
+            self.overlong, self.front = [], 0
+            shapes.SHAPES[self.variant](self, plan, cfg)
+            return
         self.overlong = []  # the requests it made longer than a row: only the defect admits them
         cap = cfg.cache.max_tokens_per_seq
         step = self.p["at_step"]
@@ -96,16 +234,27 @@ class TableOverflow(Fault):
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
-        if self.defect:
+        v = self.variant
+        if self.defect and v == DEFAULT:
             engine.seams.admission_check = False
             engine.table.table.bound_check = False
+        elif self.defect:
+            shapes.plant(self, engine)
+        elif v == "floor_width":  # the remediation: a row of cdiv(max_model_len, block_size)
+            limit = shapes.max_model_len(engine.config.cache)
+            engine.table.resize(width=-(-limit // engine.bm.block_size))
+        self.misread: set[str] = set()  # stride_mismatch: requests the kernels read wrong
+        self._arrived = False  # floor_width: its request reached admission
         self._seen = self._looked = engine.table.table.overflow_writes
         self.overflowing: dict[str, int] = {}  # request -> its row, for requests that overflowed
         self._counts = {k: engine.counters[k] for k in ("overlong_requests", *REMEDIES)}
         upload = engine.seams.on_upload
 
         def look() -> None:  # mid-step, after the appends: every row still has its owner
-            self._who(engine)
+            if v == "stride_mismatch":
+                self._misreads(engine)
+            else:
+                self._who(engine)
             upload()
 
         engine.seams.on_upload = look
@@ -135,25 +284,94 @@ class TableOverflow(Fault):
         self.touch(requests={req for req, row in snap.seq_rows.items() if row in rows})
         self.touch(requests={req for req, bs in snap.seq_blocks.items() if blocks & set(bs)})
 
+    def before_step(self, engine, step) -> None:
+        if self.variant == "chunked_growth":  # where each running request's chunk starts
+            self._starts = {s.id: s.num_computed for s in engine.scheduler.running}
+
     def after_step(self, engine, step, output) -> None:
-        c = engine.counters
-        for _ in range(c["overlong_requests"] - self._counts["overlong_requests"]):
-            self.trigger(step)  # a request longer than a row reached admission
-        self.remediated += sum(c[k] - self._counts[k] for k in REMEDIES)
+        c, v = engine.counters, self.variant
+        if v != "floor_width":
+            for _ in range(c["overlong_requests"] - self._counts["overlong_requests"]):
+                self.trigger(step)  # a request longer than a row reached admission
+        elif not self._arrived and "fw_edge" in engine.seqs:  # max_model_len tokens, admitted
+            self._arrived = True
+            self.trigger(step)
+            self.remediated += not self.defect  # its row holds cdiv(max_model_len, block_size)
+        if v != "stride_mismatch":
+            self.remediated += sum(c[k] - self._counts[k] for k in REMEDIES)
+        elif not self.defect:  # the kernels follow the resize
+            self.remediated += c["table_resizes"] - self._counts["table_resizes"]
         self._counts = {k: c[k] for k in self._counts}
         table = engine.table.table
         n = table.overflow_writes
         if n > self._seen:
             self._who(engine)  # a step that uploaded nothing
-            self.fired(step, {"overflow_writes": n - self._seen, "table_width": table.width})
+            detail = {"overflow_writes": n - self._seen, "table_width": table.width}
+            if v != DEFAULT:
+                detail.update(self._spill_detail(engine, table.overflow_log[self._seen : n]))
+            self.fired(step, detail)
             self._seen = n
 
+    def _spill_detail(self, engine, new: list) -> dict:
+        """What the writes did, by variant: past the buffer's end (last_row), the chunk that
+        crossed the row's end (chunked_growth: [first, end) positions of the request's chunk)."""
+        table, out = engine.table.table, {}
+        out["past_end"] = sum(r * table.width + i >= len(table.host) for r, i, _ in new)
+        if self.variant == "chunked_growth":
+            rows = {r for r, _, _ in new}
+            starts = getattr(self, "_starts", {})
+            out["chunks"] = {
+                s: [starts.get(s, 0), engine.seqs[s].num_computed]
+                for s, r in engine.table.rows.items()
+                if r in rows and s in engine.seqs
+            }
+        return out
+
+    def _misreads(self, engine) -> None:
+        """stride_mismatch, as the step's table is uploaded: each live request whose row the
+        kernels read at their stride names other blocks than it holds. Those requests, their rows,
+        the blocks named (an unused entry addresses the pool's last block) and every request
+        holding one of them are touched; a request misread for the first time fires it."""
+        stride = engine.kernel_stride()
+        if stride is None:
+            return
+        snap = engine.snapshot()
+        wrong: dict[str, int] = {}
+        for req, row in snap.seq_rows.items():
+            blocks = snap.seq_blocks.get(req, [])
+            got = snap.table[row * stride : row * stride + len(blocks)]
+            if got != blocks:
+                wrong[req] = row
+                # the blocks named instead, and its own blocks the kernels miss (unwritten)
+                self.touch(blocks={b % snap.num_blocks for b in got if b not in blocks})
+                self.touch(blocks=set(blocks) - set(got))
+        if not wrong:
+            return
+        named = self.touched["blocks"]
+        self.touch(requests=wrong, rows=wrong.values())
+        self.touch(requests={r for r, bs in snap.seq_blocks.items() if named & set(bs)})
+        new = sorted(set(wrong) - self.misread)
+        if new:
+            self.misread.update(new)
+            step = engine.step_count
+            self.fired(
+                step,
+                {
+                    "kernel_stride": stride,
+                    "table_width": snap.table_width,
+                    "misread": {r: wrong[r] for r in new},
+                },
+            )
+
     def verify(self) -> dict:
-        return {
+        out = {
             **super().verify(),
             "overflow_writes": self._seen,
             "overlong": getattr(self, "overlong", []),
         }
+        if self.variant != DEFAULT:  # (the default's record as before there were variants)
+            out["variant"] = self.variant
+        return out
 
     @classmethod
     def explains(cls, finding: dict, truth: dict) -> str | None:
@@ -161,6 +379,9 @@ class TableOverflow(Fault):
             return None
         reqs, rows = set(truth["touched"]["requests"]), set(truth["touched"]["rows"])
         ev = finding.get("evidence", {})
+        if finding["checker"] == "table_integrity" and ev.get("view") == "kernel":
+            # a row as the kernels read it: only a fault pinning their stride makes the two differ
+            return "cause" if truth.get("variant") == "stride_mismatch" else None
         if finding["checker"] == "table_integrity" and (
             ev.get("req") in reqs or ev.get("owner") in reqs or ev.get("row") in rows
         ):

@@ -82,17 +82,21 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
 
 
 def check_table_integrity(events: list[dict]) -> CheckResult:
-    """Every row holds exactly its sequence's blocks, then -1; rows nobody owns are all -1."""
+    """Every row holds exactly its sequence's blocks, then -1; rows nobody owns are all -1. A
+    snapshot whose kernels index the table at another row stride (kernel_stride) is judged as
+    they read it too (_kernel_rows)."""
     found, snaps = [], 0
     reported: set[tuple] = set()
     last: tuple = ()
     for e in of_kind(events, "snapshot"):
         snaps += 1
         table, w, s = e["table"], e["table_width"], e["step"]
-        now = (table, e["seq_rows"], e["seq_blocks"], w)
-        if last and w == last[3] and all(map(operator.is_, now[:3], last[:3])):
+        now = (table, e["seq_rows"], e["seq_blocks"], w, e.get("kernel_stride"))
+        if last and now[3:] == last[3:] and all(map(operator.is_, now[:3], last[:3])):
             continue  # the very objects judged before (shared in memory): told already
         last = now
+        if now[4] is not None:
+            found += _kernel_rows(e, now[4], reported)
         owner: dict[int, str] = {}
         for req, row in e["seq_rows"].items():
             if row in owner and ("shared_row", row, owner[row], req) not in reported:
@@ -154,6 +158,42 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
                 )
     found += _foreign_writes(events) + _unslotted_writes(events)
     return judged_result("table_integrity", found, snaps)
+
+
+def _kernel_rows(e: dict, stride: int, reported: set) -> list[Finding]:
+    """The entries the kernels read for each live sequence, row r from r * stride: exactly its
+    blocks (the host table may be right while the kernels read another row's entries)."""
+    found, table = [], e["table"]
+    for req, row in e["seq_rows"].items():
+        blocks = e["seq_blocks"].get(req, [])
+        got = table[row * stride : row * stride + len(blocks)]
+        if got == blocks or ("kernel", req, tuple(got)) in reported:
+            continue
+        reported.add(("kernel", req, tuple(got)))
+        bad = [i for i in range(len(blocks)) if i >= len(got) or got[i] != blocks[i]]
+        intruders = sorted(set(got) - set(blocks) - {-1})
+        found.append(
+            Finding(
+                checker="table_integrity",
+                step=e["step"],
+                message=f"the kernels read row {row} (request {req}) at stride {stride}, the "
+                f"table's width being {e['table_width']}: entries {bad[:8]} name blocks "
+                f"{intruders[:8]} it does not own",
+                evidence={
+                    "row": row,
+                    "owner": req,
+                    "entries": bad,
+                    "row_now": got,
+                    "row_expected": blocks,
+                    "intruders": intruders,
+                    "view": "kernel",
+                    "stride": stride,
+                },
+                manifest=False,
+                kind="foreign_block",
+            )
+        )
+    return found
 
 
 def _foreign_writes(events: list[dict]) -> list[Finding]:

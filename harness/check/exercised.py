@@ -7,6 +7,15 @@ from kvchaos.harness.check.shapes import prefix_shapes
 
 PHASES = ("waiting", "prefill", "decode", "preempted", "shared")
 NEEDS_FORK = ("fork_calls", "copy_on_write_copies", "frees_of_shared_blocks")
+# The table's edges a run reached (what the table_overflow variants break): counted, never "not
+# exercised" (most workloads stay inside their rows, as they should)
+TABLE_EDGES = (
+    "full_rows",  # sequences whose blocks filled their row to its last entry
+    "last_row_holds",  # sequences that held the table's last row
+    "multi_block_growths",  # a held sequence grown by 2+ blocks at once (a prefill chunk)
+    "rows_after_resize",  # sequences in a row past the first once the table grew wider
+    "overlong_rejections",  # requests over a row refused at admission (429-style)
+)
 
 
 def exercised(events: list[dict]) -> dict:
@@ -18,9 +27,18 @@ def exercised(events: list[dict]) -> dict:
     seen_blocks: dict[str, int] = {}
     row_owner: dict[int, str] = {}
     last_blocks = last_rows = None
+    edges = {k: 0 for k in TABLE_EDGES}
+    full: set[str] = set()
+    last_row: set[str] = set()
+    after_resize: set[str] = set()
+    first_width = None
     for e in events:
         if e.get("e") != "snapshot":
             continue
+        w = e["table_width"]
+        first_width = w if first_width is None else first_width
+        if e["seq_blocks"] is not last_blocks or e["seq_rows"] is not last_rows:
+            _edges(e, seen_blocks, full, last_row, after_resize, w > first_width, edges)
         if e["seq_blocks"] is not last_blocks:  # not the very object counted before
             last_blocks = e["seq_blocks"]
             for seq, blocks in last_blocks.items():
@@ -32,6 +50,9 @@ def exercised(events: list[dict]) -> dict:
                 if row_owner.get(row, seq) != seq:
                     row_reuses += 1
                 row_owner[row] = seq
+    edges.update(full_rows=len(full), last_row_holds=len(last_row))
+    edges.update(rows_after_resize=len(after_resize))
+    edges["overlong_rejections"] = counters.get("overlong_rejected", 0)
     forks = sum(1 for e in events if e.get("e") == "submit" and e.get("parent"))
     paths = {
         "appends": calls.get("append", 0) + calls.get("append_decode", 0),
@@ -47,6 +68,7 @@ def exercised(events: list[dict]) -> dict:
         "refusals_with_room": counters.get("refusals_with_room", 0),
         "resizes": counters.get("table_resizes", 0),
         "row_reuses": row_reuses,
+        **edges,
     }
     if any(e.get("e") == "kv_record" for e in events):  # the writer record judged reads
         # slots read that another request wrote (a cache hit, a fork): kv_reads judged sharing
@@ -55,7 +77,9 @@ def exercised(events: list[dict]) -> dict:
     caps = set(start.get("capabilities", ["fork"]))
     lacking = [] if "fork" in caps else list(NEEDS_FORK)  # not applicable, never "missed"
     paths["not_exercised"] = [
-        k for k, v in paths.items() if v == 0 and not k.startswith("refus") and k not in lacking
+        k
+        for k, v in paths.items()
+        if v == 0 and not k.startswith("refus") and k not in lacking and k not in TABLE_EDGES
     ]
     paths["not_applicable"] = lacking
     # the paths the refcount_leak variants break, and (with a prefix cache) the shapes prefix
@@ -94,3 +118,18 @@ def leak_paths(events: list[dict]) -> dict[str, int]:
     end = next((e for e in reversed(events) if e.get("e") == "run_end"), {})
     out["preemption_releases"] = end.get("counters", {}).get("preemptions", 0)
     return out
+
+
+def _edges(e, seen_blocks, full, last_row, after_resize, resized: bool, edges: dict) -> None:
+    """One snapshot's table edges (before seen_blocks takes its block counts)."""
+    w, rows = e["table_width"], len(e["table"]) // max(1, e["table_width"])
+    for seq, blocks in e["seq_blocks"].items():
+        before = seen_blocks.get(seq, 0)
+        edges["multi_block_growths"] += before > 0 and len(blocks) - before >= 2
+        if len(blocks) >= w:
+            full.add(seq)
+    for seq, row in e["seq_rows"].items():
+        if row == rows - 1:
+            last_row.add(seq)
+        if resized and row > 0:
+            after_resize.add(seq)

@@ -97,7 +97,11 @@ class LiveRun:
             # a cache is diffed against the last one shown (a snapshot without one keeps it)
             "cache": self.passed.get("cache") if cache is None else cache,
         }
-        self.h.append({"e": "snapshot", "step": step, **d, "live": live})
+        ev = {"e": "snapshot", "step": step, **d, "live": live}
+        stride = e.kernel_stride()
+        if stride is not None:  # the kernels read this table at another stride: judged as read
+            ev["kernel_stride"] = stride
+        self.h.append(ev)
 
     def _check_writes(self, step: int) -> None:
         """The blocks each sequence's KV was written to this step (the engine's slot mapping, the

@@ -54,6 +54,15 @@ SPACE = {
             "overshoot": (1.1, 2.0),
             "boundary": [True, False],
             "neighbours": (1, 4),
+            # drawn on its own stream (OWN_STREAM_PARAMS), the default this share of the time
+            "variant": [
+                "article",
+                "off_by_one",
+                "floor_width",
+                "stride_mismatch",
+                "last_row",
+                "chunked_growth",
+            ],
         },
         "refcount_leak": {
             "cancel_phases": {"subset": ["prefill", "decode", "shared"], "min": 1},
@@ -73,6 +82,8 @@ SPACE = {
             "pressure_tokens": [0],
         },
     },
+    # the table_overflow variant: its default (unchecked) this share of the time
+    "table_overflow_default_share": 0.4,
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
         "table_overflow": 2,
@@ -85,6 +96,9 @@ SPACE = {
 # Failure modes added after the soak's first draws take their own random stream: every seed's
 # draws for the others stay what they were.
 OWN_STREAM = ("prefix_cache",)
+# Params added after a failure mode's first draws: each on a stream of its own, drawn after the
+# others (every seed's draws of the rest stay what they were)
+OWN_STREAM_PARAMS = {"table_overflow": ("variant",)}
 
 
 def _draw(rng: random.Random, spec):
@@ -108,7 +122,10 @@ def generate_scenario(seed: int) -> dict:
     for name in REGISTRY:
         r = random.Random(f"{seed}/soak/{name}") if name in OWN_STREAM else rng
         if r.random() < SPACE["fault_probability"] and not _excluded(name, faults):
-            params = {k: _draw(r, spec) for k, spec in SPACE["faults"][name].items()}
+            own = OWN_STREAM_PARAMS.get(name, ())
+            params = {k: _draw(r, v) for k, v in SPACE["faults"][name].items() if k not in own}
+            if name == "table_overflow":
+                params.update(_table_overflow_variant(seed))
             faults.append(
                 {
                     "name": name,
@@ -160,6 +177,8 @@ def generate_scenario(seed: int) -> dict:
                 "phases": _draw(rng, w["cancel_phases"]),
             },
         }
+    if "table_overflow" in names:
+        _fit_table_overflow(engine, next(f for f in faults if f["name"] == "table_overflow"))
     if "prefix_cache" in names:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
@@ -241,6 +260,31 @@ def _prefix_shapes(workload: dict, rng: random.Random) -> None:
             k: _draw(rng, spec["rounds"])
             for k in ("boilerplate", "prefill_aborts", "pressure_hits", "whole_blocks")
         }
+
+
+def _table_overflow_variant(seed: int) -> dict:
+    """{} for the default variant (its scenario as before variants), else {"variant": v}."""
+    r = random.Random(f"{seed}/soak/table_overflow/variant")
+    if r.random() < SPACE["table_overflow_default_share"]:
+        return {}
+    return {"variant": r.choice(SPACE["faults"]["table_overflow"]["variant"])}
+
+
+def _fit_table_overflow(engine: dict, fault: dict) -> None:
+    """What a table_overflow variant needs of the engine: a resize policy (stride_mismatch), a
+    block of 3+ tokens (floor_width), a prefill chunk that crosses a row's end mid-chunk
+    (chunked_growth)."""
+    v, cache = fault["params"].get("variant"), engine["cache"]
+    if v == "stride_mismatch":
+        cache["overflow_policy"] = "resize"
+    elif v == "floor_width" and cache["block_size"] < 3:
+        cache["block_size"] = 4
+    elif v == "chunked_growth":
+        cap = cache["max_blocks_per_seq"] * cache["block_size"]
+        mpt = min(engine["max_prefill_tokens"], cap - 1)
+        while mpt > 2 and cap % mpt == 0:
+            mpt -= 1
+        engine["max_prefill_tokens"] = mpt
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
