@@ -155,7 +155,8 @@ def generate_scenario(seed: int) -> dict:
         _share_prefixes(cache, workload, random.Random(f"{seed}/soak/prefix"))
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
-        detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
+        params = {f["name"]: f["params"] for f in faults}
+        detectors = sorted({d for n in planted for d in REGISTRY[n].detectors_for(params[n])})
         expect = {
             "outcome": "detect",
             "checkers": detectors,
