@@ -65,6 +65,18 @@ SPACE = {
             "pressure_tokens": [0],
         },
     },
+    # the ordering race's variants, drawn from a stream of their own, each with the params it
+    # sets over the drawn ones: the triggers of cow_lag (a copy-on-write, so forks: never in a
+    # stall's workload) and stale_unread (a step that changes freed rows alone) are rare, so
+    # they take every chance
+    "ordering_race_variants": {
+        "lagged": {},
+        "torn": {},
+        "reordered": {},
+        "cow_lag": {"probability": 1.0, "from_step": 1},
+        "scrambled": {},
+        "stale_unread": {"probability": 1.0},
+    },
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
         "table_overflow": 2,
@@ -149,6 +161,8 @@ def generate_scenario(seed: int) -> dict:
                 "phases": _draw(rng, w["cancel_phases"]),
             },
         }
+    if "ordering_race" in names:
+        _fit_ordering_race(seed, workload, next(f for f in faults if f["name"] == "ordering_race"))
     if "prefix_cache" in names:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
@@ -189,6 +203,21 @@ def _excluded(name: str, faults: list[dict]) -> bool:
     """A stall is judged on a steady decode-only stretch, which the prefix_cache trigger's
     prefills would break: the two are never drawn together."""
     return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
+
+
+def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
+    """The variant, from its own stream, with its params over the drawn ones (the default leaves
+    them as they were drawn); cow_lag's workload forks."""
+    from kvchaos.faults.ordering_variants import DEFAULT
+
+    rng = random.Random(f"{seed}/soak/ordering_race/variant")
+    forks = "fork_groups" in workload
+    v = rng.choice([v for v in SPACE["ordering_race_variants"] if forks or v != "cow_lag"])
+    if v == DEFAULT:
+        return
+    fault["params"].update(variant=v, **SPACE["ordering_race_variants"][v])
+    if v == "cow_lag":
+        workload["fork_groups"] = max(workload["fork_groups"], 4)
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
