@@ -312,3 +312,16 @@ def test_a_distributed_run_replays_identically_on_real_ranks(tmp_path):
     out = replay(r.run_dir)
     assert out["identical"], out["first_difference"]
     assert (out["tp_mode"], out["world_size"]) == ("distributed", 2)  # on real ranks again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two NCCL ranks need two GPUs")
+def test_scrambled_blocks_on_nccl_ranks_are_caught():
+    """The article's own setting: NCCL ranks, one GPU each; rank 1 writes its blocks reversed."""
+    sc = load_scenario("ordering-race-scrambled-detect")
+    with Cluster(timeout_s=120) as c:
+        real = run_scenario(sc, 0, device="cuda", report_dir=None, tp_mode="distributed", cluster=c)
+    assert real.verdict == "PASS", real.summary
+    kv = next(c for c in real.results["checkers"] if c["checker"] == "kv_reads")
+    assert real.results["fault_verify"]["ordering_race"]["fired"]
+    assert kv["findings"] and {f["evidence"]["rank"] for f in kv["findings"]} == {1}
