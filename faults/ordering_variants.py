@@ -28,6 +28,17 @@ _TABLE = ("cross_rank", "oracle_divergence")
 _KV = ("kv_reads", "oracle_divergence")
 DETECTORS = {v: _KV if v in KV_VARIANTS else _TABLE for v in VARIANTS}
 
+# The manager path each variant's trigger needs (a key of results.json["exercised"]): a table
+# that changes (a row gains an entry), a copy-on-write, KV written into blocks, rows freed.
+REACH = {
+    "lagged": "block_boundary_crossings",
+    "torn": "block_boundary_crossings",
+    "reordered": "block_boundary_crossings",
+    "cow_lag": "copy_on_write_copies",
+    "scrambled": "appends",
+    "stale_unread": "frees",
+}
+
 _SYNC = (
     "Ranks acknowledge the table version before computing (barrier / event sync); a stale "
     "version is refused."

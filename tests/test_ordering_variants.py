@@ -12,7 +12,7 @@ import torch
 
 from kvchaos.engine.wire import Batch
 from kvchaos.faults import REGISTRY, ParamError
-from kvchaos.faults.ordering_variants import DETECTORS, VARIANTS
+from kvchaos.faults.ordering_variants import DETECTORS, REACH, VARIANTS
 from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import load_scenario
@@ -49,6 +49,7 @@ def test_each_clean_twin_holds_with_its_trigger_pulled(variant):
     truth = run.results["fault_verify"]["ordering_race"]
     assert run.verdict == "PASS", run.summary
     assert truth["triggered"] > 0 and truth["remediated"] > 0 and not truth["fired"]
+    assert run.results["exercised"][REACH[variant]] > 0  # the manager path the variant breaks
 
 
 def test_a_stale_row_never_read_is_reported_latent_never_manifest():
