@@ -207,7 +207,8 @@ def _excluded(name: str, faults: list[dict]) -> bool:
 
 def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
     """The variant, from its own stream, with its params over the drawn ones (the default leaves
-    them as they were drawn); cow_lag's workload forks."""
+    them as they were drawn); cow_lag's workload forks every request, and its requests decode
+    long enough to be running when their forks come (a copy-on-write needs both writing)."""
     from kvchaos.faults.ordering_variants import DEFAULT
 
     rng = random.Random(f"{seed}/soak/ordering_race/variant")
@@ -217,7 +218,9 @@ def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
         return
     fault["params"].update(variant=v, **SPACE["ordering_race_variants"][v])
     if v == "cow_lag":
-        workload["fork_groups"] = max(workload["fork_groups"], 4)
+        workload["fork_groups"] = max(workload["fork_groups"], workload["num_requests"])
+        out = workload["output_len"]
+        out["min"] = max(out["min"], out["max"] // 2)
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
