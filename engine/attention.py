@@ -46,6 +46,13 @@ def write_kv(
         v_cache.view(nb * bs, hkv, d)[slots] = v
 
 
+def reversed_in_blocks(slots: torch.Tensor, positions: torch.Tensor, block_size: int):
+    """The slots a rank writes when its tokens land in reverse order within each block: position
+    p at offset block_size - 1 - p % block_size of its block (the field report's scrambled
+    order)."""
+    return slots + (block_size - 1) - 2 * (positions % block_size)
+
+
 def _gather(cache: torch.Tensor, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[..., blocks] table -> [..., num_tokens, kv_heads, head_dim]. Unused (-1) entries read
     block 0 and are masked by the caller."""

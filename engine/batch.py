@@ -14,6 +14,7 @@ from kvchaos.engine.attention import (
     decode_mask,
     paged_decode_torch,
     paged_prefill_torch,
+    reversed_in_blocks,
     write_kv,
 )
 from kvchaos.engine.sequence import Sequence
@@ -66,7 +67,7 @@ class BatchBuilder:
                 -1
             )  # [nd * nblk_dec] entries
             hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
-        metas = []
+        metas, scrambled = [], self._scramble()
         for rank in self.ranks.ranks:
             flat = rank.table
             last = flat.numel() - 1
@@ -92,9 +93,10 @@ class BatchBuilder:
                 slots.append(trow[p // bs].long() * bs + p % bs)
                 chunks.append((off, n, start, trow))
                 off += n
-            metas.append(
-                (torch.cat(slots) if len(slots) > 1 else slots[0], dec_tables, plan, chunks)
-            )
+            slots = torch.cat(slots) if len(slots) > 1 else slots[0]
+            if rank.index in scrambled:
+                slots = reversed_in_blocks(slots, positions, bs)
+            metas.append((slots, dec_tables, plan, chunks))
         if self.record_writes:
             self._record_writes(decode, prefill, [m[0] for m in metas])
         if self.seams.on_batch is not None:
@@ -103,6 +105,17 @@ class BatchBuilder:
             )
         self._dec_lens, self._dec_max_len = (dec_lens if nd else None), max_len
         return tokens, positions, metas
+
+    def _scramble(self) -> list[int]:
+        """The ranks whose tokens reach them out of order this step and that write them so (the
+        remediation, slots_by_position, writes every token at its position's offset)."""
+        seams, step = self.seams, self.step_count
+        late = [r for r in range(len(self.ranks.ranks)) if seams.tokens_out_of_order(r, step)]
+        if seams.slots_by_position:
+            self.order_fixes += len(late)
+            late = []
+        self.scrambled_ranks = late
+        return late
 
     def _report_batch(self, decode, prefill, tok: list, pos: list, meta_of) -> None:
         """Tell the on_batch seam what each rank writes and reads this step, from that rank's own
@@ -116,7 +129,8 @@ class BatchBuilder:
         ctx += [(s.id, s.num_computed + n) for s, n in prefill]
         for r in range(len(ranks)):
             if r and torch.equal(ranks[r].content(), ranks[0].content()):
-                continue
+                if r not in self.scrambled_ranks:
+                    continue
             slots, dec_tables, chunks = meta_of(r)
             rows = dec_tables.clamp(min=0).tolist() if decode else []
             rows += [c[3].clamp(min=0).tolist() for c in chunks]

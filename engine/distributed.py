@@ -121,6 +121,7 @@ class DistEngine(Engine):
         width = self.table.table.width
         rows, tok, pos = self._batch_inputs(decode, prefill)
         copies, self._copies = self._copies, []
+        scrambled = self._scramble()
         msg = Batch.pack(
             self.step_count,
             self.table_version,
@@ -131,6 +132,7 @@ class DistEngine(Engine):
             [(rows[s.id] * width, s.num_computed, n) for s, n in prefill],
             copies,
             [(r, v, 0 if table is None else table.numel()) for r, v, table in self._outbox],
+            scrambled,
         )
         w = self.wire
         w.busy = True
@@ -151,12 +153,12 @@ class DistEngine(Engine):
             self._crcs = crcs
         metas = self.shard.resolve(b)
         if self.record_writes:  # another rank writes through the table sent it (its crc says so)
-            slots = [self.shard.slots(b, r.content()) for r in links[1:]]
+            slots = [self.shard.slots(b, r.content(), r.index) for r in links[1:]]
             self._record_writes(decode, prefill, [metas[0], *slots])
         if self.seams.on_batch is not None:
 
             def meta_of(r: int):  # what rank r computes with: the table sent it
-                slots, dec, chunks = self.shard.resolve(b, links[r].content()) if r else metas
+                slots, dec, chunks = self.shard.resolve(b, links[r].content(), r) if r else metas
                 return slots, dec and dec[0], chunks
 
             self._report_batch(decode, prefill, tok, pos, meta_of)

@@ -117,6 +117,10 @@ class Engine(BatchBuilder):
         self.scheduler = Scheduler(self)  # the waiting and running queues
         self.step_count = 0
         self.table_version = 0
+        self._late_copies: list[tuple[int, int, list]] = []  # (due step, rank, copies) in flight
+        self.copies_in_flight: dict[int, list] = {}  # rank -> copies it computes the step without
+        self.scrambled_ranks: list[int] = []  # ranks that wrote the step's blocks reversed
+        self.order_fixes = 0  # ranks whose tokens came out of order, written by position all same
         self.counters = {
             "staging_reallocs": 0,
             "preemptions": 0,
@@ -327,6 +331,7 @@ class Engine(BatchBuilder):
     def step(self) -> StepOutput:
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_count += 1
+        self.scrambled_ranks = []
         scheduler = self.scheduler
         decode, prefill, preempted = scheduler.schedule()
         if not decode and not prefill:
@@ -411,16 +416,27 @@ class Engine(BatchBuilder):
             stale_ranks=stale,
             rank_table_crcs=crcs,
             table_crc=table_crc,
-            stale_tables=self._stale_tables if computed and stale else [],
+            stale_tables=self._stale_tables if computed else [],
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        late = []
+        for rank in range(len(self.kv_pools)):
+            d = self.seams.rank_copy_delay(rank, self.step_count)
+            if d > 0 or any(q == rank for _, q, _ in self._late_copies):  # behind those in flight
+                self._late_copies.append((self.step_count + max(d, 0), rank, copies))
+                late.append(rank)
+            else:
+                self._copy_on(rank, copies)
+        self.counters["cow_copies"] += len(copies)
+        data = {"copies": copies, "late_ranks": late} if late else {"copies": copies}
+        self.seams.on_event("cow", data)
+
+    def _copy_on(self, rank: int, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for pool in self.kv_pools:
-            pool[:, :, dst] = pool[:, :, src]
-        self.counters["cow_copies"] += len(copies)
-        self.seams.on_event("cow", {"copies": copies})
+        pool = self.kv_pools[rank]
+        pool[:, :, dst] = pool[:, :, src]
 
     def _upload_table(self) -> list[int]:
         """host table -> staging -> every rank. Returns the ranks left on an old version."""
@@ -434,10 +450,16 @@ class Engine(BatchBuilder):
         staged = self.staging.stage(host)
         self.seams.on_upload()
         self.table_version += 1
-        self.ranks.publish(staged, self.table_version, self.step_count, self.seams.rank_delay)
+        seams = self.seams
+        self.ranks.publish(
+            staged, self.table_version, self.step_count, seams.rank_delay, seams.rank_receive
+        )
         self.ranks.deliver(self.step_count)
-        if self.seams.rank_sync:
+        if seams.rank_sync:
             self.counters["rank_sync_waits"] += self.ranks.sync()
+        if seams.rank_verify:  # re-sent whole: counted with the waits
+            self.counters["rank_sync_waits"] += self.ranks.verify(staged, self.table_version)
+        self._land_copies()
         if len(self.ranks.ranks) > 1:  # what each rank computes with vs what the scheduler uploaded
             self._crcs = [r.crc() for r in self.ranks.ranks]
             self._table_crc = zlib.crc32(memoryview(self.table.table.host))
@@ -445,13 +467,33 @@ class Engine(BatchBuilder):
             self._crcs, self._table_crc = [], 0
         stale = [r for r in self.ranks.ranks if r.version != self.table_version]
         self.counters["stale_rank_computes"] += len(stale)
-        # the engine's own record of a stale read that matters: an old table with other content
+        # the engine's own record of a stale read that matters: a table with other content (an old
+        # version, or the step's version torn or overtaken)
         self._stale_tables = [
             r.index
-            for r in stale
+            for r in self.ranks.ranks
             if r.content().shape != staged.shape or not torch.equal(r.content(), staged)
         ]
         return [r.index for r in stale]
+
+    def _land_copies(self) -> None:
+        """Copy-on-write copies still in flight on a rank: those due land now; with rank_sync every
+        one does (waited for). `copies_in_flight` is the engine's record of what each rank
+        computes this step without."""
+        if not self._late_copies:
+            return
+        step, sync, keep = self.step_count, self.seams.rank_sync, []
+        for due, rank, copies in self._late_copies:
+            if due <= step or sync:
+                self._copy_on(rank, copies)
+                self.counters["rank_sync_waits"] += sync and due > step
+                self.seams.on_event("cow_landed", {"rank": rank, "copies": copies})
+            else:
+                keep.append((due, rank, copies))
+        self._late_copies = keep
+        self.copies_in_flight = {}
+        for _, rank, copies in keep:
+            self.copies_in_flight.setdefault(rank, []).extend(copies)
 
     # -- lifecycle -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:

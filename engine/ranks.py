@@ -43,13 +43,16 @@ class RankGroup:
     def __init__(self, size: int, device: torch.device) -> None:
         self.ranks = [VirtualRank(i, device) for i in range(size)]
 
-    def publish(self, staged: torch.Tensor, version: int, step: int, delay_of) -> None:
+    def publish(
+        self, staged: torch.Tensor, version: int, step: int, delay_of, receive=None
+    ) -> None:
+        """receive (set): what a rank holds of an update that lands on time (torn, reordered)."""
         for r in self.ranks:
             if r.version == 0 and r.table.shape != staged.shape:
                 r.start(staged.shape)
             d = delay_of(r.index, step)
             if d <= 0 and not r.inbox:
-                r.apply(version, staged)
+                r.apply(version, staged if receive is None else receive(r.index, step, staged))
             else:  # in flight: a private copy, since the staging buffer is reused next step
                 r.inbox.append((step + max(d, 0), version, staged.clone()))
 
@@ -58,6 +61,15 @@ class RankGroup:
             while r.inbox and r.inbox[0][0] <= step:
                 _, version, table = r.inbox.popleft()
                 r.apply(version, table)
+
+    def verify(self, staged: torch.Tensor, version: int) -> int:
+        """Ranks on `version` whose table is not `staged` get it again, whole; returns how many."""
+        resent = 0
+        for r in self.ranks:
+            if r.version == version and not torch.equal(r.content(), staged):
+                r.apply(version, staged)
+                resent += 1
+        return resent
 
     def sync(self) -> int:
         """Wait for every update in flight; returns how many were waited for."""

@@ -26,6 +26,10 @@ def _nothing() -> None:
     return None
 
 
+def _in_order(rank: int, step: int) -> bool:
+    return False
+
+
 @dataclass
 class Seams:
     # Reject (or, by policy, make room for) a request that can never fit a table row.
@@ -43,6 +47,20 @@ class Seams:
     rank_sync: bool = True
     # Steps by which rank r's table update for a step arrives late (0 = on time).
     rank_delay: Callable[[int, int], int] = _no_delay
+    # Set: what rank r holds of an update that reaches it (rank, step, the update tensor): a
+    # torn or reordered copy. None (the default): the update, whole.
+    rank_receive: Callable[[int, int, object], object] | None = None
+    # A rank on the step's version acknowledges its table's checksum too: one holding other
+    # content (a torn or reordered update) is sent the whole table again before computing.
+    rank_verify: bool = True
+    # Steps by which rank r's copy-on-write copies of a step land late (0 = before it computes).
+    # With rank_sync, a rank waits for them before computing.
+    rank_copy_delay: Callable[[int, int], int] = _no_delay
+    # Whether rank r's tokens of a step reach its KV writes out of position order (rank, step).
+    tokens_out_of_order: Callable[[int, int], bool] = _in_order
+    # Each rank writes position p at offset p % block_size of its block, whatever order its
+    # tokens arrive in; off, a rank whose tokens arrive out of order writes each block reversed.
+    slots_by_position: bool = True
     # Whether to release a sequence's blocks as it leaves (reason: finish, cancel, preempt, error).
     free_on_exit: Callable[[object, str], bool] = _always_free
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.

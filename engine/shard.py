@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from kvchaos.engine.attention import paged_decode_torch, paged_prefill_torch, plan_decode, write_kv
+from kvchaos.engine.attention import (
+    paged_decode_torch,
+    paged_prefill_torch,
+    plan_decode,
+    reversed_in_blocks,
+    write_kv,
+)
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.engine import decode_backend
 from kvchaos.engine.errors import KVChaosError
@@ -88,10 +94,11 @@ class Shard:
             )
         return versions, crcs
 
-    def slots(self, b: Batch, flat: torch.Tensor) -> torch.Tensor:
-        """Where the step's K/V go through the flat table `flat`: each token's entry (its row's
-        entry 0 + position // block size, read on past the table's end as the last entry) and its
-        offset in that block."""
+    def slots(self, b: Batch, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Where rank `rank`'s (this rank's) K/V of the step go through the flat table `flat`:
+        each token's entry (its row's entry 0 + position // block size, read on past the table's
+        end as the last entry) and its offset in that block (reversed where the rank's tokens
+        reach it out of order, b.scrambled)."""
         bs, p = self.bs, b.positions
         nd = len(b.bases)
         ent = [torch.tensor(b.bases, device=self.device) + p[:nd] // bs] if nd else []
@@ -100,11 +107,14 @@ class Shard:
             ent.append(base + p[off : off + n] // bs)
             off += n
         ent = torch.cat(ent).clamp_(max=flat.numel() - 1)
-        return flat[ent].long() * bs + p % bs
+        slots = flat[ent].long() * bs + p % bs
+        if (self.rank if rank is None else rank) in b.scrambled:
+            slots = reversed_in_blocks(slots, p, bs)
+        return slots
 
-    def resolve(self, b: Batch, flat: torch.Tensor | None = None):
-        """Slot mapping and attention tables through this rank's own table (or flat: another
-        rank's, as rank 0 knows it). Flat addressing: an overlong row reads on into the next one,
+    def resolve(self, b: Batch, flat: torch.Tensor | None = None, rank: int | None = None):
+        """Slot mapping and attention tables through this rank's own table (or flat: rank
+        `rank`'s, as rank 0 knows it). Flat addressing: an overlong row reads on into the next one,
         as a kernel would (as Engine._build_batch)."""
         flat = self.table.table if flat is None else flat
         bs, dev = self.bs, self.device
@@ -131,7 +141,7 @@ class Shard:
             trow = flat[(base + torch.arange(nblk, device=dev)).clamp_(max=last)]
             chunks.append((off, n, start, trow))
             off += n
-        return self.slots(b, flat), dec, chunks
+        return self.slots(b, flat, rank), dec, chunks
 
     def attend(self, wire: Wire, b: Batch, meta):
         slots, dec, chunks = meta

@@ -22,15 +22,16 @@ import torch.distributed as dist
 from kvchaos.engine.config import EngineConfig
 
 STEP, END = 1, 2
-# op, step, version, sync; then the counts of tokens, decode rows, prefill chunks, copies, updates
-HEAD = 9
+# op, step, version, sync; then the counts of tokens, decode rows, prefill chunks, copies, updates,
+# scrambled ranks
+HEAD = 10
 TIMERS = ("bcast", "table", "ack", "gather", "compute")
 
 
 def step_capacity(cfg: EngineConfig, world: int) -> int:
     """Ints in a step's one broadcast: room for a full batch (a longer one sends the rest after)."""
     seqs = cfg.cache.max_num_seqs
-    return HEAD + 2 * (cfg.max_prefill_tokens + seqs) + 6 * seqs + 2 * world
+    return HEAD + 2 * (cfg.max_prefill_tokens + seqs) + 6 * seqs + 3 * world
 
 
 class Wire:
@@ -106,9 +107,13 @@ class Batch:
     # table updates, in order: (rank, version, numel); numel 0: the rank's previous table under a
     # new version, else the table is sent after this broadcast
     updates: list[tuple[int, int, int]]
+    # ranks whose tokens reach them out of order this step and write each block reversed
+    scrambled: list[int]
 
     @staticmethod
-    def pack(step, version, sync, tok, pos, bases, prefill, copies, updates) -> list[int]:
+    def pack(
+        step, version, sync, tok, pos, bases, prefill, copies, updates, scrambled
+    ) -> list[int]:
         head = [
             STEP,
             step,
@@ -119,23 +124,26 @@ class Batch:
             len(prefill),
             len(copies),
             len(updates),
+            len(scrambled),
         ]
-        return head + tok + pos + bases + [x for t in (*prefill, *copies, *updates) for x in t]
+        body = [x for t in (*prefill, *copies, *updates) for x in t]
+        return head + tok + pos + bases + body + list(scrambled)
 
     @staticmethod
     def body_len(head: list[int]) -> int:
-        return 2 * head[4] + head[5] + 3 * head[6] + 2 * head[7] + 3 * head[8]
+        return 2 * head[4] + head[5] + 3 * head[6] + 2 * head[7] + 3 * head[8] + head[9]
 
     @staticmethod
     def unpack(msg: torch.Tensor, device: torch.device) -> "Batch":
-        op, step, version, sync, nt, nd, npre, ncp, _ = msg[:HEAD].tolist()
+        op, step, version, sync, nt, nd, npre, ncp, nup, _ = msg[:HEAD].tolist()
         t = msg[HEAD : HEAD + 2 * nt].to(device)
         rest = msg[HEAD + 2 * nt :].tolist()
         pre, cps, ups = (
             rest[nd : nd + 3 * npre],
             rest[nd + 3 * npre : nd + 3 * npre + 2 * ncp],
-            rest[nd + 3 * npre + 2 * ncp :],
+            rest[nd + 3 * npre + 2 * ncp : nd + 3 * npre + 2 * ncp + 3 * nup],
         )
+        scr = rest[nd + 3 * npre + 2 * ncp + 3 * nup :]
         dec_pos = msg[HEAD + nt : HEAD + nt + nd].tolist()
         return Batch(
             op,
@@ -150,4 +158,5 @@ class Batch:
             [tuple(pre[i : i + 3]) for i in range(0, len(pre), 3)],
             [tuple(cps[i : i + 2]) for i in range(0, len(cps), 2)],
             [tuple(ups[i : i + 3]) for i in range(0, len(ups), 3)],
+            scr,
         )

@@ -207,6 +207,11 @@ class Fault:
         """How incidents and the soak name it: its name, with the variant the params choose."""
         return cls.name
 
+    @classmethod
+    def detectors_for(cls, params: dict | None = None) -> tuple:
+        """The checkers expected to catch the variant the params choose."""
+        return cls.detectors
+
     def shape(self, plan, engine_config) -> None:
         """Add the trigger's requests and cancels to the workload plan."""
 

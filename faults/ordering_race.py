@@ -1,45 +1,96 @@
 """Failure mode 4: cross-GPU ordering race. Tensor-parallel ranks each hold a copy of the block
-table; one rank's update arrives late. With no version check before compute, that rank reads a
-stale table for a step and writes/reads K/V at the wrong slots."""
+table (and of their share of the KV pool); one rank's update lands late or wrong, and with no
+check before compute that rank reads or writes K/V at the wrong slots. Six variants, each a bug
+class shipped in a real engine, each planted on lag_rank through the engine's seams (whose
+defaults are the remediation); variant text and triggers in faults/ordering_variants.py:
+
+  lagged        (the default) a whole table version lands lag_steps late (the field report's
+                NCCL block-table sync that lags on one GPU)
+  torn          a rank applies part of an update under its version (vllm-ascend#12130,
+                Megatron-LM#5715: an async host-to-device table copy overwritten mid-flight)
+  reordered     update N+1 lands before N, and N over it (vllm#15332: a worker's scheduler
+                output crossed with another step's in transport)
+  cow_lag       the table in sync, the copy-on-write copy's data not yet on that rank
+                (xLLM#1984, ik_llama.cpp#2083: a copy or a sync elided, KV read before written)
+  scrambled     the article's symptom: a rank writes each block's tokens in the wrong order
+                (vllm-ascend#14039: KV block order flipped on a copy; LMCache#4921)
+  stale_unread  a stale row that nobody reads before it is refreshed (vllm#42273, vllm#39591:
+                stale block-table entries harmless while masked): latent, never manifest
+"""
 
 from __future__ import annotations
 
 from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.faults import base
-from kvchaos.faults.base import FRACTION, STEP, Fault, Num, ParamError
+from kvchaos.faults.base import FRACTION, STEP, Fault, Num, OneOf, ParamError
+from kvchaos.faults.ordering_variants import (
+    DEFAULT,
+    DETECTORS,
+    KV_VARIANTS,
+    TEXT,
+    VARIANTS,
+    Triggers,
+)
 
 
 class StaleStep(TypedDict):
     step: int
     ranks: list[int]  # the ranks still on the old table
     requests: list[str]  # the requests live then
+    rows: NotRequired[list[int]]  # stale_unread: the rows that differed (held by nobody)
+
+
+class KVStep(TypedDict):
+    step: int
+    ranks: list[int]  # the ranks that computed without their copies / wrote blocks reversed
+    requests: list[str]  # the requests whose KV it touched (and, since, holders of its blocks)
+    blocks: list[int]
 
 
 class Truth(base.Truth):
     stale: NotRequired[list[StaleStep]]
+    variant: NotRequired[str]
+    late_copies: NotRequired[list[KVStep]]
+    scrambled: NotRequired[list[KVStep]]
 
 
 class OrderingRace(Fault):
     name = "ordering_race"
     detectors = ("cross_rank", "oracle_divergence")
     truth = Truth
-    root_cause = (
-        "A rank computed before its block-table update had landed: no acknowledgement of the "
-        "table version before compute, so it read a stale table and used the wrong KV slots."
-    )
-    remediation = (
-        "Ranks acknowledge the table version before computing (barrier / event sync); a stale "
-        "version is refused."
-    )
-    defaults = {"lag_rank": 1, "lag_steps": 1, "probability": 0.3, "from_step": 3}
+    root_cause, remediation = TEXT[DEFAULT]
+    defaults = {
+        "lag_rank": 1,
+        "lag_steps": 1,
+        "probability": 0.3,
+        "from_step": 3,
+        "variant": DEFAULT,
+    }
     # lag_steps 0: no lag (the update lands on time); lag_rank's upper bound: the engine's tp_size
     domains = {
         "lag_rank": Num(int, ge=0),
         "lag_steps": Num(int, ge=1),
         "probability": FRACTION,
         "from_step": STEP,
+        "variant": OneOf(VARIANTS),
     }
+
+    def __init__(self, defect: bool, params: dict, seed: int) -> None:
+        super().__init__(defect, params, seed)
+        v = self.p["variant"]
+        self.root_cause, self.remediation = TEXT[v]
+        self.detectors = DETECTORS[v]
+
+    @classmethod
+    def label(cls, params: dict | None = None) -> str:
+        """The default keeps the bare name (as recorded histories have it); the others carry it."""
+        v = (params or {}).get("variant", DEFAULT)
+        return cls.name if v == DEFAULT else f"{cls.name}/{v}"
+
+    @classmethod
+    def detectors_for(cls, params: dict | None = None) -> tuple:
+        return DETECTORS[(params or {}).get("variant", DEFAULT)]
 
     @classmethod
     def check_engine(cls, p, engine_config) -> None:
@@ -51,30 +102,38 @@ class OrderingRace(Fault):
                 f"expected an int in [0, {tp - 1}] (a rank of engine.tp_size = "
                 f"{tp}), got {p['lag_rank']!r}",
             )
+        if p["variant"] == "cow_lag" and engine_config.tp_mode == "distributed":
+            raise ParamError(
+                cls.name,
+                "variant",
+                "cow_lag plants in simulated ranks (tp_mode = 'simulated'): real ranks take the "
+                "step's copies from its broadcast",
+            )
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
         if engine.config.tp_size < 2:
             raise ValueError("fault ordering_race needs engine.tp_size >= 2")
-        engine.seams.rank_sync = not self.defect
-        rng, p = self.rng, self.p
-
-        def rank_delay(rank: int, step: int) -> int:
-            if rank == p["lag_rank"] and step >= p["from_step"] and rng.random() < p["probability"]:
-                self.trigger(step, {"rank": rank, "late_by_steps": p["lag_steps"], "at": step})
-                return p["lag_steps"]
-            return 0
-
-        engine.seams.rank_delay = rank_delay
+        self.engine, v = engine, self.p["variant"]
         self.stale_reads = 0
         self.stale: list[dict] = []
+        self.kv_steps: list[dict] = []  # cow_lag / scrambled: what the rank computed wrong
         self._waits = engine.counters["rank_sync_waits"]
+        self._fixes = engine.order_fixes
+        self.triggers = Triggers(self, engine)
+        self.triggers.plant(v, engine.seams)
 
     def after_step(self, engine, step, output) -> None:
         waits = engine.counters["rank_sync_waits"]
-        self.remediated += waits - self._waits  # updates in flight waited for before computing
-        self._waits = waits
-        # The engine's own record: ranks that computed on an old table with other content.
+        fixes = engine.order_fixes
+        # updates (and copies) in flight waited for, or re-sent whole, before computing; tokens
+        # out of order written by position all the same
+        self.remediated += waits - self._waits + fixes - self._fixes
+        self._waits, self._fixes = waits, fixes
+        if self.p["variant"] in KV_VARIANTS:
+            self._kv_step(engine, step, output)
+            return
+        # The engine's own record: ranks that computed on a table with other content.
         ranks = output.stats.stale_tables
         if ranks:
             live = sorted({s.id for s in engine.scheduler.running} | set(output.finished))
@@ -82,27 +141,71 @@ class OrderingRace(Fault):
             self.touch(blocks={b for bs in snap.seq_blocks.values() for b in bs})
             self.stale_reads += 1
             self.stale.append({"step": step, "ranks": ranks, "requests": live})
+            rows = self.triggers.unread_rows.get(step)
+            if rows is not None:  # stale_unread: the rows that differed, held by nobody then
+                self.stale[-1]["rows"] = rows
             self.touch(requests=live)
             self.fired(step, {"ranks": ranks, "table_version": output.stats.table_version})
 
-    def before_step(self, engine, step) -> None:
-        # a fork made now shares blocks written on a stale table, and may be done within the
-        # step; a block handed out fresh is written by its new owner before it is read
-        if self.stale:
-            self._holders(engine.snapshot())
+    def _kv_step(self, engine, step, output) -> None:
+        """The engine's own record: ranks that computed the step with copies still in flight
+        (their destination blocks read before written), or that wrote its blocks reversed."""
+        st = output.stats
+        if not st.decode_tokens + st.prefill_tokens:
+            return
+        if self.p["variant"] == "cow_lag":
+            late = engine.copies_in_flight
+            ranks, blocks = sorted(late), {d for cs in late.values() for _, d in cs}
+        else:
+            ranks = list(engine.scrambled_ranks)
+            blocks = set()
+        if not ranks:
+            return
+        snap = engine.snapshot()
+        if blocks:  # the copies' holders read them
+            reqs = {r for r, bs in snap.seq_blocks.items() if blocks.intersection(bs)}
+        else:  # every request of the step wrote its blocks reversed
+            reqs = {s.id for s in engine.scheduler.running} | set(output.finished)
+            blocks = {b for r in reqs for b in snap.seq_blocks.get(r, ())}
+        x = {"step": step, "ranks": ranks, "requests": sorted(reqs), "blocks": sorted(blocks)}
+        self.kv_steps.append(x)
+        self.touch(requests=reqs, blocks=blocks)
+        self.fired(step, {"ranks": ranks, "blocks": x["blocks"]})
 
-    def _holders(self, snap) -> None:
-        """Whoever holds a block written on a stale table since (a fork, a reuse) is touched."""
+    def before_step(self, engine, step) -> None:
+        # a fork made now shares blocks written wrong, and may be done within the step; a block
+        # handed out fresh is written by its new owner before it is read
+        log = self.kv_steps or self.stale
+        if log:
+            self._holders(engine.snapshot(), log[-1])
+
+    def _holders(self, snap, last: dict) -> None:
+        """Whoever holds a block written wrong since (a fork, a reuse) is touched."""
         blocks = self.touched["blocks"]
         held = {r for r, bs in snap.seq_blocks.items() if blocks.intersection(bs)}
         self.touch(requests=held)
-        self.stale[-1]["requests"] = sorted(set(self.stale[-1]["requests"]) | held)
+        last["requests"] = sorted(set(last["requests"]) | held)
 
     def verify(self) -> dict:
-        return {**super().verify(), "stale_reads_served": self.stale_reads, "stale": self.stale}
+        out = {**super().verify(), "stale_reads_served": self.stale_reads, "stale": self.stale}
+        v = self.p["variant"]
+        if v != DEFAULT:  # (the default's record as it always was)
+            out["variant"] = v
+        if v in KV_VARIANTS:
+            out["late_copies" if v == "cow_lag" else "scrambled"] = self.kv_steps
+        return out
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self.p["variant"] == DEFAULT:  # as recorded before variants: histories compare
+            d["params"] = {k: x for k, x in d["params"].items() if k != "variant"}
+        return d
 
     @classmethod
     def explains(cls, finding: dict, truth: dict) -> str | None:
+        kv = truth.get("late_copies") or truth.get("scrambled")
+        if kv:
+            return _explains_kv(finding, kv, "late_copies" in truth)
         stale = truth.get("stale") or []
         if not stale or finding["step"] < stale[0]["step"]:
             return None
@@ -134,3 +237,28 @@ class OrderingRace(Fault):
             if ev.get("rank") in lagged and {ev.get("req"), ev.get("writer")} & misled:
                 return "consequence"
         return None
+
+
+def _explains_kv(finding: dict, kv: list[dict], copies: bool) -> str | None:
+    """cow_lag / scrambled: a read on the rank that computed wrong, by (or of KV written by) a
+    request it touched, at or after it did; a divergence of such a request. A read of KV that a
+    wrong read fed (poisoned) is a consequence."""
+    s, ev = finding["step"], finding.get("evidence") or {}
+    before = [x for x in kv if x["step"] <= s]
+    if not before:
+        return None
+    reqs = {r for x in before for r in x["requests"]}
+    if finding["checker"] == "oracle_divergence":
+        return "cause" if ev.get("req") in reqs else None
+    if finding["checker"] != "kv_reads":
+        return None
+    on_rank = [x for x in before if ev.get("rank") in x["ranks"]]
+    if not on_rank:
+        return None
+    if finding.get("kind") == "poisoned_read":
+        return "consequence" if {ev.get("req"), ev.get("origin")} & reqs else None
+    blocks = {b for x in on_rank for b in x["blocks"]}
+    mine = {ev.get("req"), ev.get("writer")} & {r for x in on_rank for r in x["requests"]}
+    if ev.get("block") in blocks and (mine or copies):
+        return "cause"
+    return "consequence" if mine else None

@@ -97,7 +97,11 @@ def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():
                 sc.workload.prompt_len.max + sc.workload.output_len.max <= cache.max_tokens_per_seq
             )
         for f in sc.faults:
+            fit = SPACE["ordering_race_variants"].get(f.params.get("variant"), {})
             for k, v in f.params.items():
+                if f.name == "ordering_race" and (k == "variant" or k in fit):  # its own stream
+                    assert v == fit[k] if k in fit else v in SPACE["ordering_race_variants"]
+                    continue
                 # refcount_leak's variant params come from their own declared range
                 own = SPACE["leak_variant"] if f.name == "refcount_leak" else {}
                 spec = SPACE["faults"][f.name][k] if k in SPACE["faults"][f.name] else own[k]
@@ -105,7 +109,9 @@ def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():
                     assert v in spec, (seed, f.name, k, v)
                 if isinstance(spec, tuple):
                     assert spec[0] <= v <= spec[1], (seed, f.name, k, v)
-        want = sorted({d for f in sc.faults if f.defect for d in REGISTRY[f.name].detectors})
+        want = sorted(
+            {d for f in sc.faults if f.defect for d in REGISTRY[f.name].detectors_for(f.params)}
+        )
         assert sc.expect.outcome == ("detect" if want else "clean")
         assert sorted(sc.expect.checkers) == want
         planted += bool(want)

@@ -119,7 +119,8 @@ def _expected(sc, name: str) -> list[str]:
     detectors when several faults are planted (each is credited only with its own findings)."""
     from kvchaos.faults import REGISTRY
 
-    own = [c for c in sc.expect.checkers if c in REGISTRY[name].detectors]
+    params = next((f.params for f in sc.faults if f.name == name), {})
+    own = [c for c in sc.expect.checkers if c in REGISTRY[name].detectors_for(params)]
     return own or list(sc.expect.checkers)
 
 

@@ -140,7 +140,8 @@ class SnapshotInvalid(TypedDict):
 class Engine(TypedDict):
     e: Literal["engine"]
     step: int
-    # cow | staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption
+    # cow (late_ranks: ranks whose copies are in flight) | cow_landed (rank, copies) |
+    # staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption
     kind: str
     data: dict[str, Any]  # a hit: req, known, answered, used, capped, blocks
 

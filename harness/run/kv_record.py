@@ -212,7 +212,8 @@ class RankRecords:
     copy, fed rank 0's batch on steps it reports none. A step's batch is committed once the step
     returned; one that raised leaves its slots torn."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, world: int = 1) -> None:
+        self.world = world
         self.ids = Identities()
         self.records = {0: KVRecord(num_blocks, block_size)}
         self.pending: dict[int, Batch] = {}
@@ -221,9 +222,21 @@ class RankRecords:
     def on_batch(self, rank: int, reads: list, writes: list) -> None:
         self.pending[rank] = (reads, writes)
 
-    def copy(self, pairs) -> None:
-        for rec in self.records.values():
-            rec.copy(pairs)
+    def copy(self, pairs, late=()) -> None:
+        """Copy-on-write on every rank but the `late` ones (their copies land later: copy_on);
+        a rank that skips it keeps a record of its own from here."""
+        if late:
+            own = late if 0 not in late else range(1, self.world)  # who else shared rank 0's
+            for r in own:
+                if r not in self.records:
+                    self.records[r] = self.records[0].clone()
+        for r, rec in self.records.items():
+            if r not in late:
+                rec.copy(pairs)
+
+    def copy_on(self, rank: int, pairs) -> None:
+        """A rank's late copy-on-write lands."""
+        self.records[rank].copy(pairs)
 
     def hit(self, req: str, blocks) -> None:
         self.hits[req] = set(blocks)

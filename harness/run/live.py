@@ -176,7 +176,7 @@ class LiveRun:
 
             e.seams.on_upload = on_upload
         if self.observe and "prefix_cache" in e.capabilities:  # reads of KV other requests wrote
-            self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size)
+            self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size, len(e.ranks.ranks))
             self.cache_watch = CacheWatch(e.bm.block_size)
             e.seams.on_batch = self.kv.on_batch
             self.h.append({"e": "kv_record", "step": 0, "ranks": len(e.ranks.ranks)})
@@ -201,7 +201,9 @@ class LiveRun:
     def _engine_event(self, kind: str, data: dict) -> None:
         if self.kv is not None:  # copies reach the record before the step's writes
             if kind == "cow":
-                self.kv.copy(data["copies"])
+                self.kv.copy(data["copies"], data.get("late_ranks", ()))
+            elif kind == "cow_landed":
+                self.kv.copy_on(data["rank"], data["copies"])
             elif kind == "hit":
                 self.kv.hit(data["req"], data["blocks"])
                 tokens = self.engine.seqs[data["req"]].tokens

@@ -17,6 +17,7 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     from kvchaos.faults import REGISTRY
 
     named = {f["name"]: REGISTRY[f["name"]].label(f.get("params")) for f in faults}
+    dets = {f["name"]: REGISTRY[f["name"]].detectors_for(f.get("params")) for f in faults}
 
     v = results["verdict"]
     planted = [f["name"] for f in faults if f.get("defect", True)]
@@ -46,7 +47,7 @@ def fingerprints(results: dict, faults: list[dict]) -> list[dict]:
     label = "DETECTED" if v == PASS else v
     for c in results.get("checkers", []):
         for f in c.get("findings", []):
-            mode = next((named[n] for n in present if f["checker"] in REGISTRY[n].detectors), "-")
+            mode = next((named[n] for n in present if f["checker"] in dets[n]), "-")
             fp = (label, mode, f["checker"], f.get("kind") or "-")
             if fp not in out or f["step"] < out[fp]:
                 out[fp] = f["step"]

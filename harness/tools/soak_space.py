@@ -84,6 +84,18 @@ SPACE = {
     },
     # the table_overflow variant: its default (unchecked) this share of the time
     "table_overflow_default_share": 0.4,
+    # the ordering race's variants, drawn from a stream of their own, each with the params it
+    # sets over the drawn ones: the triggers of cow_lag (a copy-on-write, so forks: never in a
+    # stall's workload) and stale_unread (a step that changes freed rows alone) are rare, so
+    # they take every chance
+    "ordering_race_variants": {
+        "lagged": {},
+        "torn": {},
+        "reordered": {},
+        "cow_lag": {"probability": 1.0, "from_step": 1},
+        "scrambled": {},
+        "stale_unread": {"probability": 1.0},
+    },
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
         "table_overflow": 2,
@@ -179,6 +191,8 @@ def generate_scenario(seed: int) -> dict:
         }
     if "table_overflow" in names:
         _fit_table_overflow(engine, next(f for f in faults if f["name"] == "table_overflow"))
+    if "ordering_race" in names:
+        _fit_ordering_race(seed, workload, next(f for f in faults if f["name"] == "ordering_race"))
     if "prefix_cache" in names:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
@@ -189,7 +203,8 @@ def generate_scenario(seed: int) -> dict:
         _prefix_shapes(workload, random.Random(f"{seed}/soak/shapes"))
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
-        detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
+        params = {f["name"]: f["params"] for f in faults}
+        detectors = sorted({d for n in planted for d in REGISTRY[n].detectors_for(params[n])})
         expect = {
             "outcome": "detect",
             "checkers": detectors,
@@ -285,6 +300,24 @@ def _fit_table_overflow(engine: dict, fault: dict) -> None:
         while mpt > 2 and cap % mpt == 0:
             mpt -= 1
         engine["max_prefill_tokens"] = mpt
+
+
+def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
+    """The variant, from its own stream, with its params over the drawn ones (the default leaves
+    them as they were drawn); cow_lag's workload forks every request, and its requests decode
+    long enough to be running when their forks come (a copy-on-write needs both writing)."""
+    from kvchaos.faults.ordering_variants import DEFAULT
+
+    rng = random.Random(f"{seed}/soak/ordering_race/variant")
+    forks = "fork_groups" in workload
+    v = rng.choice([v for v in SPACE["ordering_race_variants"] if forks or v != "cow_lag"])
+    if v == DEFAULT:
+        return
+    fault["params"].update(variant=v, **SPACE["ordering_race_variants"][v])
+    if v == "cow_lag":
+        workload["fork_groups"] = max(workload["fork_groups"], workload["num_requests"])
+        out = workload["output_len"]
+        out["min"] = max(out["min"], out["max"] // 2)
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
