@@ -111,7 +111,7 @@ class Engine(BatchBuilder):
             for pool in self.kv_pools
         ]
         self.ranks = RankGroup(tp, self.device)
-        self._pinned = self.device.type == "cuda"
+        self._pinned = True  # page-locked: pinned on CUDA, mlock on the CPU (staging.py)
         self.staging = StagingBuffer(self.table.table.host_tensor.numel(), self._pinned)
         self.seqs: dict[str, Sequence] = {}
         self.scheduler = Scheduler(self)  # the waiting and running queues
@@ -392,6 +392,7 @@ class Engine(BatchBuilder):
             cpu_s=time.thread_time() - c0,
             prep_s=t_host - t_prep,
             upload_s=self._upload_s if computed else 0.0,
+            stage_s=self._stage_s if computed else 0.0,
             free_blocks=self.bm.num_free_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -413,6 +414,17 @@ class Engine(BatchBuilder):
         self.counters["cow_copies"] += len(copies)
         self.seams.on_event("cow", {"copies": copies})
 
+    def probe_staging(self) -> float:
+        """Seconds the upload's staging copy takes through a sound buffer: the same copy of the
+        host table through one allocated now, in this process, as the engine allocates its own,
+        its first touch done. The calibration a stalled upload is judged against."""
+        host = self.table.table.host_tensor
+        fresh = StagingBuffer(host.numel(), self._pinned)
+        fresh.stage(host)
+        t = time.perf_counter()
+        fresh.stage(host)
+        return time.perf_counter() - t
+
     def _upload_table(self) -> list[int]:
         """host table -> staging -> every rank. Returns the ranks left on an old version."""
         host = self.table.table.host_tensor
@@ -422,7 +434,9 @@ class Engine(BatchBuilder):
             self.staging = StagingBuffer(host.numel(), self._pinned)
             self.counters["staging_reallocs"] += 1
             self.seams.on_event("staging_realloc", {"pid": os.getpid()})
+        t = time.perf_counter()
         staged = self.staging.stage(host)
+        self._stage_s = time.perf_counter() - t
         self.seams.on_upload()
         self.table_version += 1
         self.ranks.publish(staged, self.table_version, self.step_count, self.seams.rank_delay)

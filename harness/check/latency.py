@@ -1,5 +1,11 @@
 """The latency checker: a host-side stall (the staging stall's failure mode) seen in the per-step
-timings the engine records, judged so that a shared, noisy CPU neither hides it nor fakes it."""
+timings the engine records, judged so that a shared, noisy CPU neither hides it nor fakes it.
+
+Two comparisons, each a ratio against time measured in the same run: the upload's staging copy
+against the same copy through a freshly allocated buffer (the calibration probe, measured after
+every step), which sees a stall present from the first step, small or in bursts; and the host
+work of the decode steps against the run's own early quiet steps, which sees anything else on the
+host side that keeps growing."""
 
 from __future__ import annotations
 
@@ -26,9 +32,11 @@ def check_latency(
     floor_s: float = 5e-4,
     signal: str = "host_s",
 ) -> CheckResult:
-    """Per-step latency of the decode-only steps vs the run's own early baseline: a finding when
-    even the fastest of the last `window` steps stays above slo_ratio x baseline (and above it by
-    floor_s) for `sustain` steps.
+    """Two judgements, each a finding at most (floor_s: the scenario's [run] latency_floor_ms).
+    The staging copy of every upload vs its calibration probe (_staging). And per-step latency of
+    the decode-only steps vs the run's own early baseline: a finding when even the fastest of the
+    last `window` steps stays above slo_ratio x baseline (and above it by floor_s) for `sustain`
+    steps.
 
     Built for a shared, noisy CPU. A neighbour only ever adds time to a step (the engine waits for
     a core), to some steps and not others; a regression adds time to every step. So both ends are
@@ -39,15 +47,21 @@ def check_latency(
     scheduling, bookkeeping, the table upload and metadata, which does not grow with the batch's
     compute; the waits on other real ranks, processes that share the CPU, are wait_s and not
     judged), latency_s (the whole step, wall clock) or cpu_s (the engine thread's CPU time)."""
-    steps = [
-        e
-        for e in of_kind(events, "step")
-        if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0
-    ]
-    if len(steps) < baseline_steps + sustain:
+    every = of_kind(events, "step")
+    staged = [e for e in every if e.get("probe_s")]  # steps with a calibration (a table uploaded)
+    found = _staging(staged, slo_ratio, floor_s, sustain)
+    steps = [e for e in every if e.get("prefill_tokens", 0) == 0 and e.get("decode_tokens", 0) > 0]
+    if len(steps) >= baseline_steps + sustain:  # else too short to judge a trend
+        found += _trend(steps, slo_ratio, window, baseline_steps, sustain, floor_s, signal)
+    elif not staged:
         return CheckResult(
             checker="latency", valid=None, findings=[], error=None, checked=len(steps)
-        )  # too short to judge a trend
+        )
+    return judged_result("latency", found, max(len(steps), len(staged)))
+
+
+def _trend(steps, slo_ratio, window, baseline_steps, sustain, floor_s, signal) -> list[Finding]:
+    """The decode steps' `signal` against the lower quartile of their first `baseline_steps`."""
     lat = [e[signal] for e in steps]
     base = _quiet(lat[:baseline_steps])
     low = _rolling_min(lat, window)
@@ -56,11 +70,57 @@ def check_latency(
     for i in range(baseline_steps, len(steps)):
         run = run + 1 if low[i] > limit else 0
         if run >= sustain:
-            found = _climb(
-                steps, signal, i, (base, limit, slo_ratio), (window, sustain, baseline_steps)
+            return [
+                _climb(
+                    steps, signal, i, (base, limit, slo_ratio), (window, sustain, baseline_steps)
+                )
+            ]
+    return []
+
+
+def _staging(steps: list[dict], slo_ratio: float, floor_s: float, sustain: int) -> list[Finding]:
+    """A finding when the staging copy took over slo_ratio x its step's calibration, and over it
+    by floor_s, in `sustain` steps in a row. A neighbour's load lands on one measurement or the
+    other, seldom on the same tiny copy steps in a row; a stall slows every upload it is in."""
+    over = [e["stage_s"] > max(e["probe_s"] * slo_ratio, e["probe_s"] + floor_s) for e in steps]
+    run = 0
+    for i, hit in enumerate(over):
+        run = run + 1 if hit else 0
+        if run < sustain:
+            continue
+        streak = steps[i - sustain + 1 : i + 1]
+        stage = statistics.median(e["stage_s"] for e in streak)
+        probe = statistics.median(e["probe_s"] for e in streak)
+        bursts = sum(1 for j, h in enumerate(over) if h and (j == 0 or not over[j - 1]))
+        first, last = streak[0]["step"], streak[-1]["step"]
+        ev = {
+            "compared": "stage_s (the upload's staging copy) vs probe_s (the same copy through a "
+            "buffer allocated in this process after the step)",
+            "stage_ms": stage * 1e3,
+            "probe_ms": probe * 1e3,
+            "ratio": stage / probe,
+            "slo_ratio": slo_ratio,
+            "floor_ms": floor_s * 1e3,
+            "steps": [e["step"] for e in streak],
+            "stalled_steps": sum(over),
+            "judged_steps": len(steps),
+            "bursts": bursts,
+        }
+        return [
+            Finding(
+                checker="latency",
+                step=streak[-1]["step"],
+                message=f"the table upload's staging copy took {stage * 1e3:.3f} ms against "
+                f"{probe * 1e3:.3f} ms for the same copy through a freshly allocated buffer "
+                f"(x{stage / probe:.1f}; limit x{slo_ratio:g} and +{floor_s * 1e3:g} ms) in "
+                f"each of steps {first}..{last}; stalled in {sum(over)} of {len(steps)} "
+                f"uploads, in {bursts} burst{'s' if bursts != 1 else ''}",
+                evidence=ev,
+                manifest=None,
+                kind="staging_slow",
             )
-            return judged_result("latency", [found], len(steps))
-    return CheckResult(checker="latency", valid=True, findings=[], error=None, checked=len(steps))
+        ]
+    return []
 
 
 def _climb(steps: list[dict], signal: str, i: int, limits: tuple, spans: tuple) -> Finding:

@@ -111,6 +111,8 @@ UNSTABLE_KEYS = frozenset(
         "latency_s",
         "host_s",
         "upload_s",
+        "stage_s",
+        "probe_s",
         "wait_s",
         "cpu_s",
         "harness_s",
