@@ -94,14 +94,14 @@ class StagingBuffer:
     def valid(self) -> bool:
         return self.pid == os.getpid()
 
-    def pages(self) -> int:
+    def page_count(self) -> int:
         return -(-self.tensor.numel() * 4 // PAGE)
 
     def drop_pages(self, first: int, count: int) -> int:
         """Hand pages [first, first + count) back to the kernel (MADV_DONTNEED): the next write
         to each faults it in again. Pages actually dropped: 0 where the platform does not allow
         it (a pinned buffer, CUDA's memory, no madvise)."""
-        count = min(count, self.pages() - first)
+        count = min(count, self.page_count() - first)
         advise = getattr(mmap, "MADV_DONTNEED", None)
         if self.mem is None or self.pinned or advise is None or count <= 0:
             return 0

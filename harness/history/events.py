@@ -93,7 +93,7 @@ class _Step(TypedDict):
 class Step(_Step, total=False):
     telemetry: dict[str, Any]  # RSS, CPU and GPU fields, on sampled steps
     stage_s: float  # the upload's copy into the staging buffer (histories from before: none)
-    probe_s: float  # the same copy through a buffer allocated after the step (the calibration)
+    probe_s: float  # the same copy through a sound buffer beside it, in the step (calibration)
 
 
 class _Snapshot(TypedDict):

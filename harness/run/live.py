@@ -379,8 +379,6 @@ class LiveRun:
             at_upload, box = self.observe_s, e.bm.snapshot_s
             spent, self.observe_s, box[0] = at_upload + box[0], 0.0, 0.0
             self._log_calls(st.step)
-            # the calibration of the upload's staging copy, after the step: not in its timings
-            probe = e.probe_staging() if st.decode_tokens + st.prefill_tokens else 0.0
             h.append(
                 {
                     "e": "step",
@@ -390,7 +388,7 @@ class LiveRun:
                     "upload_s": max(0.0, st.upload_s - at_upload),
                     "harness_s": spent,
                     "stage_s": st.stage_s,
-                    "probe_s": probe,
+                    "probe_s": st.probe_s,
                     "wait_s": st.wait_s,
                     "cpu_s": st.cpu_s,
                     "free_blocks": st.free_blocks,
