@@ -215,8 +215,8 @@ class StagingStall(Fault):
         if first is None or finding["checker"] != "latency" or finding["step"] < first:
             return None
         faulted = {x["step"] for x in truth.get("faulted", [])}
-        if finding.get("kind") == "staging_slow" and faulted:  # every upload it names faulted
-            return "cause" if set(finding["evidence"].get("steps", ())) <= faulted else None
+        if finding.get("kind") == "staging_slow" and faulted:  # its slow uploads reach a burst
+            return "cause" if faulted.intersection(finding["evidence"].get("steps", ())) else None
         return "cause"  # every step after the invalidation pays: no request is singled out
 
     def verify(self) -> dict:
