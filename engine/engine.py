@@ -115,7 +115,7 @@ class Engine(BatchBuilder):
         self.staging = StagingBuffer(self.table.table.host_tensor.numel(), self._pinned)
         self._probe: StagingBuffer | None = None  # the calibration's buffers (_stage)
         self._warm: StagingBuffer | None = None
-        self._probe_s = self._stage_s = self._calib_s = 0.0
+        self._probe_s = self._stage_s = self._calib_s = self._host_cpu_s = 0.0
         self.seqs: dict[str, Sequence] = {}
         self.scheduler = Scheduler(self)  # the waiting and running queues
         self.step_count = 0
@@ -339,7 +339,7 @@ class Engine(BatchBuilder):
             t_prep = time.perf_counter()
             self._upload_s = t_prep - t_upload - self._calib_s
             tokens, positions, metas = self._build_batch(decode, prefill)
-            t_host = time.perf_counter()
+            t_host, self._host_cpu_s = time.perf_counter(), time.thread_time() - c0
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
             # Sequences whose every token is now computed produce a token.
             emit: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
@@ -394,6 +394,7 @@ class Engine(BatchBuilder):
             latency_s=now - t0 - calib,
             host_s=t_host - t0 - calib,
             cpu_s=time.thread_time() - c0,
+            host_cpu_s=max(0.0, self._host_cpu_s - calib) if computed else 0.0,
             prep_s=t_host - t_prep,
             upload_s=self._upload_s if computed else 0.0,
             stage_s=self._stage_s if computed else 0.0,

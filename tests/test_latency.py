@@ -198,3 +198,24 @@ def test_noise_on_the_copies_or_a_slower_machine_is_no_staging_stall(seed):
         for xs in (_copy(rng, n), _copy(rng, n))
     ]
     assert check_latency(_staged(stage, probe), floor_s=0.05 * MS).valid is True
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_machine_so_loaded_every_step_waits_is_no_climb_its_cpu_time_is_flat(seed):
+    """Beside a soak on a 2-core machine with 13 runnable processes, every step from step 60
+    waited for a core: host_s x10, even in the fastest step of each window; its CPU time flat.
+    A stall spends its time on the CPU (a fault, a wait in the copy): that one still counts."""
+    rng = random.Random(seed)
+    n = 120
+    cpu = _quiet_cost(rng, n)
+    waits = [rng.uniform(5, 40) * MS if i >= 60 else 0.0 for i in range(n)]
+    steps = _steps([c + w for c, w in zip(cpu, waits)])
+    for e, c in zip(steps, cpu):
+        e["host_cpu_s"] = c
+    assert check_latency(steps).valid is True
+    stall = _stall(n, 24)
+    steps = _steps([c + s for c, s in zip(cpu, stall)])
+    for e, c, s in zip(steps, cpu, stall):
+        e["host_cpu_s"] = c + s
+    (f,) = check_latency(steps).findings
+    assert f.kind == "latency_climb" and "its CPU time" in f.message

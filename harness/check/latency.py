@@ -61,14 +61,23 @@ def check_latency(
 
 
 def _trend(steps, slo_ratio, window, baseline_steps, sustain, floor_s, signal) -> list[Finding]:
-    """The decode steps' `signal` against the lower quartile of their first `baseline_steps`."""
+    """The decode steps' `signal` against the lower quartile of their first `baseline_steps`.
+    host_s climbs on a machine so loaded that every step waits for a core; its CPU time
+    (host_cpu_s, where recorded) does not: a climb counts where that climbed as well."""
     lat = [e[signal] for e in steps]
     base = _quiet(lat[:baseline_steps])
     low = _rolling_min(lat, window)
     limit = max(base * slo_ratio, base + floor_s)
+    cpu = [e.get("host_cpu_s") for e in steps] if signal == "host_s" else [None]
+    if None in cpu:
+        busy = [True] * len(steps)  # histories from before host_cpu_s: the wall clock alone
+    else:
+        cpu_base = _quiet(cpu[:baseline_steps])
+        cpu_limit = max(cpu_base * slo_ratio, cpu_base + floor_s)
+        busy = [x > cpu_limit for x in _rolling_min(cpu, window)]
     run = 0
     for i in range(baseline_steps, len(steps)):
-        run = run + 1 if low[i] > limit else 0
+        run = run + 1 if low[i] > limit and busy[i] else 0
         if run >= sustain:
             return [
                 _climb(
@@ -94,8 +103,8 @@ def _staging(steps: list[dict], slo_ratio: float, floor_s: float, sustain: int) 
         bursts = sum(1 for j, h in enumerate(over) if h and (j == 0 or not over[j - 1]))
         first, last = streak[0]["step"], streak[-1]["step"]
         ev = {
-            "compared": "stage_s (the upload's staging copy) vs probe_s (the same copy through a "
-            "buffer allocated in this process after the step)",
+            "compared": "stage_s (the upload's staging copy) vs probe_s (the same copy, in the "
+            "same upload, through a buffer this process allocated after the last one)",
             "stage_ms": stage * 1e3,
             "probe_ms": probe * 1e3,
             "ratio": stage / probe,
@@ -149,11 +158,18 @@ def _climb(steps: list[dict], signal: str, i: int, limits: tuple, spans: tuple) 
         "window": [steps[j]["step"] for j in span],
     }
     where = ""
+    cpu = [e.get("host_cpu_s") for e in steps]
+    if signal == "host_s" and None not in cpu:
+        ev["cpu_baseline_ms"] = _quiet(cpu[:baseline_steps]) * 1e3
+        ev["cpu_min_ms"] = min(cpu[j] for j in span) * 1e3
+        where = f"; its CPU time {ev['cpu_baseline_ms']:.2f} -> {ev['cpu_min_ms']:.2f} ms"
     upload = [e.get("upload_s") for e in steps]
     if signal == "host_s" and None not in upload:
         ev["upload_baseline_ms"] = _quiet(upload[:baseline_steps]) * 1e3
         ev["upload_min_ms"] = min(upload[j] for j in span) * 1e3
-        where = f"; its table upload {ev['upload_baseline_ms']:.2f} -> {ev['upload_min_ms']:.2f} ms"
+        where += (
+            f"; its table upload {ev['upload_baseline_ms']:.2f} -> {ev['upload_min_ms']:.2f} ms"
+        )
     return Finding(
         checker="latency",
         step=steps[i]["step"],

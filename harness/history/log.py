@@ -113,6 +113,7 @@ UNSTABLE_KEYS = frozenset(
         "upload_s",
         "stage_s",
         "probe_s",
+        "host_cpu_s",
         "wait_s",
         "cpu_s",
         "harness_s",
