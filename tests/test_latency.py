@@ -219,3 +219,18 @@ def test_a_machine_so_loaded_every_step_waits_is_no_climb_its_cpu_time_is_flat(s
         e["host_cpu_s"] = c + s
     (f,) = check_latency(steps).findings
     assert f.kind == "latency_climb" and "its CPU time" in f.message
+
+
+def test_an_upload_whose_calibration_was_disturbed_is_not_judged():
+    """Two shapes from real runs beside a soak: a burst with its calibration slowed in its third
+    upload (20 ms) is still a stall; a spell of contention that slows both copies of a few uploads
+    (stage 4 and 8 ms, probe x2-3) is none."""
+    probe = [0.035 * MS] * 40
+    stage = [0.035 * MS] * 15 + [0.2 * MS] * 6 + [0.035 * MS] * 19
+    probe[17] = 20 * MS
+    (f,) = check_latency(_staged(stage, probe), floor_s=0.05 * MS).findings
+    assert f.evidence["steps"] == [16, 17, 19, 20] and f.evidence["disturbed_calibrations"] == 1
+    stage = [0.035 * MS] * 40
+    stage[17:20], probe[17:20] = [4.2 * MS, 8.2 * MS, 0.17 * MS], [0.09 * MS, 0.11 * MS, 0.04 * MS]
+    stage[23], probe[23] = 4.2 * MS, 0.09 * MS
+    assert check_latency(_staged(stage, probe), floor_s=0.05 * MS).valid is True

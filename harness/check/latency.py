@@ -13,6 +13,8 @@ import statistics
 
 from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
 
+CALM = 16  # probes whose median is the calibration's own level (it follows a table resize)
+
 
 def _rolling_min(xs: list[float], w: int) -> list[float]:
     return [min(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
@@ -88,19 +90,27 @@ def _trend(steps, slo_ratio, window, baseline_steps, sustain, floor_s, signal) -
 
 
 def _staging(steps: list[dict], slo_ratio: float, floor_s: float, sustain: int) -> list[Finding]:
-    """A finding when the staging copy took over slo_ratio x its step's calibration, and over it
-    by floor_s, in `sustain` steps in a row. A neighbour's load lands on one measurement or the
-    other, seldom on the same tiny copy steps in a row; a stall slows every upload it is in."""
+    """A finding when the staging copy took over slo_ratio x its calibration, and over it by
+    floor_s, in `sustain` judged uploads in a row. An upload whose calibration was disturbed
+    itself (over slo_ratio x the median of the last CALM probes) is not judged: a neighbour's load
+    comes in spells that slow both copies of an upload, and lands on one copy alone seldom, on
+    the same tiny copy steps in a row next to never; a stall slows every upload it is in."""
+    probes = [e["probe_s"] for e in steps]
+    calm = [p <= slo_ratio * statistics.median(probes[max(0, i - CALM + 1) : i + 1])
+            for i, p in enumerate(probes)]  # fmt: skip
     over = [e["stage_s"] > max(e["probe_s"] * slo_ratio, e["probe_s"] + floor_s) for e in steps]
+    judged = [i for i in range(len(steps)) if calm[i]]
     run = 0
-    for i, hit in enumerate(over):
-        run = run + 1 if hit else 0
+    for k, i in enumerate(judged):
+        run = run + 1 if over[i] else 0
         if run < sustain:
             continue
-        streak = steps[i - sustain + 1 : i + 1]
+        span = judged[k - sustain + 1 : k + 1]
+        streak = [steps[j] for j in span]
+        hits = [over[j] for j in judged]
         stage = statistics.median(e["stage_s"] for e in streak)
         probe = statistics.median(e["probe_s"] for e in streak)
-        bursts = sum(1 for j, h in enumerate(over) if h and (j == 0 or not over[j - 1]))
+        bursts = sum(1 for j, h in enumerate(hits) if h and (j == 0 or not hits[j - 1]))
         first, last = streak[0]["step"], streak[-1]["step"]
         ev = {
             "compared": "stage_s (the upload's staging copy) vs probe_s (the same copy, in the "
@@ -111,8 +121,9 @@ def _staging(steps: list[dict], slo_ratio: float, floor_s: float, sustain: int) 
             "slo_ratio": slo_ratio,
             "floor_ms": floor_s * 1e3,
             "steps": [e["step"] for e in streak],
-            "stalled_steps": sum(over),
-            "judged_steps": len(steps),
+            "stalled_steps": sum(hits),
+            "judged_steps": len(judged),
+            "disturbed_calibrations": len(steps) - len(judged),
             "bursts": bursts,
         }
         return [
@@ -122,7 +133,8 @@ def _staging(steps: list[dict], slo_ratio: float, floor_s: float, sustain: int) 
                 message=f"the table upload's staging copy took {stage * 1e3:.3f} ms against "
                 f"{probe * 1e3:.3f} ms for the same copy through a freshly allocated buffer "
                 f"(x{stage / probe:.1f}; limit x{slo_ratio:g} and +{floor_s * 1e3:g} ms) in "
-                f"each of steps {first}..{last}; stalled in {sum(over)} of {len(steps)} "
+                f"each judged upload of steps {first}..{last}; stalled in "
+                f"{sum(hits)} of {len(judged)} judged "
                 f"uploads, in {bursts} burst{'s' if bursts != 1 else ''}",
                 evidence=ev,
                 manifest=None,
