@@ -137,3 +137,23 @@ def test_a_staging_finding_is_the_stall_where_its_uploads_reach_one_that_faulted
     assert StagingStall.explains(f, truth) == "cause"  # step 4: a neighbour's, next to the burst
     off = {**f, "step": 11, "evidence": {"steps": [8, 9, 10, 11]}}  # all sound uploads
     assert StagingStall.explains(off, truth) is None
+
+
+def test_the_soak_draws_every_variant_the_ramp_as_it_was():
+    from kvchaos.harness.tools.soak_space import STAGED_ENTRIES, generate_scenario
+
+    seen = set()
+    for seed in range(150):
+        d = generate_scenario(seed)
+        f = next((f for f in d.get("faults", []) if f["name"] == "staging_stall"), None)
+        if f is None:
+            continue
+        v = f["params"].get("variant", "ramp")
+        seen.add(v)
+        cache = d["engine"]["cache"]
+        if v == "ramp":  # the draws of the soak before the variants
+            assert set(f["params"]) == {"at_step", "ramp_steps", "plateau_us"} and "run" not in d
+        else:  # a real cost needs a serving-size table, a floor for a small stall
+            assert cache["max_num_seqs"] * cache["max_blocks_per_seq"] >= STAGED_ENTRIES
+            assert d["run"]["latency_floor_ms"] < 0.5
+    assert seen == set(VARIANTS)
