@@ -198,21 +198,21 @@ def generate_scenario(seed: int) -> dict:
 
 
 def _staging_variant(seed: int, faults: list[dict]) -> dict:
-    """The staging stall's variant, from its own stream; the [run] settings a real-cost one needs
-    (a floor for a stall of ~0.1 ms; alone in the mix, a snapshot every 10th step, since each
-    holds the serving-size table): {} for the ramp or no stall."""
+    """The staging stall's variant, from its own stream; the [run] settings a real-cost one needs:
+    a floor for a stall of ~0.1 ms, a snapshot every 10th step (each holds the serving-size
+    table), so it is drawn alone in the mix (the others' checks want every step's snapshot).
+    {} for the ramp or no stall."""
     f = next((f for f in faults if f["name"] == "staging_stall"), None)
     if f is None:
         return {}
     r = random.Random(f"{seed}/soak/staging_stall/variant")
     drawn = {k: _draw(r, spec) for k, spec in SPACE["staging_variant"].items()}
-    if drawn["variant"] == "ramp":
+    if drawn["variant"] == "ramp" or len(faults) > 1:
         return {}
     f["params"]["variant"] = drawn["variant"]
     if drawn["variant"] == "bursts":
         f["params"].update(burst_steps=drawn["burst_steps"], burst_every=drawn["burst_every"])
-    alone = len(faults) == 1
-    return {"latency_floor_ms": 0.05, **({"snapshot_every": 10} if alone else {})}
+    return {"latency_floor_ms": 0.05, "snapshot_every": 10}
 
 
 def _excluded(name: str, faults: list[dict]) -> bool:
