@@ -170,9 +170,14 @@ def cmd_list(args) -> int:
     t = Table(title="kvchaos scenarios")
     for col in ("name", "expect", "faults (defect planted?)", "markers", "seeds"):
         t.add_column(col)
+    from kvchaos.faults import REGISTRY
+
     for s in scs:
         faults = (
-            ", ".join(f"{f.name}{' (defect)' if f.defect else ' (trigger only)'}" for f in s.faults)
+            ", ".join(  # each named with its variant (prefix_cache/weak_key)
+                REGISTRY[f.name].label(f.params) + (" (defect)" if f.defect else " (trigger only)")
+                for f in s.faults
+            )
             or "-"
         )
         exp = s.expect.outcome + (
