@@ -70,6 +70,9 @@ class StepStats:
     )
     # tables); host_s - prep_s is the bookkeeping: scheduling, blocks, table upload
     upload_s: float = 0.0  # the part of host_s that uploads the table: staging, every rank's copy
+    stage_s: float = 0.0  # the part of upload_s that copies the table into the staging buffer
+    probe_s: float = 0.0  # the same copy through a sound buffer beside it (its calibration)
+    host_cpu_s: float = 0.0  # the thread's CPU time in host_s: waiting for a core is not in it
     wait_s: float = 0.0  # waits on other real ranks before the model runs (broadcast, tables, ack)
 
 

@@ -187,9 +187,52 @@ def test_invalidated_staging_is_pageable_cuda():
 
 
 @gpu
+def test_a_copy_from_pageable_staging_waits_for_the_stream_cuda():
+    """From pinned memory the host-to-device copy is queued and the call returns at once; from
+    pageable memory the driver first waits for the stream: the host is held until the work queued
+    before the copy is done (why a staging buffer that is not pinned stalls the step). A
+    property of the calls, not a timing: is the work queued ahead done when the copy returns?"""
+    from kvchaos.engine.staging import StagingBuffer
+
+    n = 1 << 16
+    dst = torch.empty(n, dtype=torch.int32, device="cuda")
+    done_at_return = {}
+    for pinned in (True, False):
+        buf = StagingBuffer(n, pinned=pinned)
+        assert buf.tensor.is_pinned() == pinned
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device work queued ahead of the copy
+        ahead = torch.cuda.Event()
+        ahead.record()
+        dst.copy_(buf.tensor, non_blocking=True)
+        done_at_return[pinned] = ahead.query()
+        torch.cuda.synchronize()
+    assert done_at_return == {True: False, False: True}
+
+
+@gpu
+def test_write_combined_staging_is_pinned_and_uploads_cuda():
+    """The article's remediation: pinned, write-combined (cudaHostAlloc through ctypes)."""
+    from kvchaos.engine.staging import StagingBuffer
+
+    buf = StagingBuffer(1000, pinned=True, write_combined=True)
+    assert buf.pinned and buf.write_combined and buf.tensor.is_pinned(), buf.why
+    host = torch.arange(1000, dtype=torch.int32)
+    dev = buf.stage(host).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), host)
+
+
+@gpu
 @pytest.mark.timing  # judged by latency: measured time
 @pytest.mark.parametrize(
-    "name,expect_realloc", [("staging-stall-detect", False), ("staging-stall-clean", True)]
+    "name,expect_realloc",
+    [
+        ("staging-stall-detect", False),
+        ("staging-stall-clean", True),
+        ("staging-stall-from-start-detect", False),
+        ("staging-stall-from-start-clean", True),
+    ],
 )
 def test_staging_stall_scenario_cuda(tmp_path, name, expect_realloc):
     pytest.importorskip("pydantic", reason="scenario files need pydantic")

@@ -159,3 +159,96 @@ def test_a_scenario_no_fault_or_expectation_times_leaves_latency_not_judged():
         checks, _ = evaluate(scenario, events, {}, None)
         (lat,) = [c for c in checks if c.checker == "latency"]
         assert lat.status == status
+
+
+def _staged(stage: list[float], probe: list[float]) -> list[dict]:
+    """Steps whose upload's staging copy (stage_s) has its calibration (probe_s) beside it."""
+    steps = _steps([0.3 * MS + s for s in stage], upload=[0.02 * MS + s for s in stage])
+    for e, s, p in zip(steps, stage, probe):
+        e["stage_s"], e["probe_s"] = s, p
+    return steps
+
+
+def _copy(rng: random.Random, n: int, ms: float = 0.08) -> list[float]:
+    return [ms * MS * rng.uniform(0.9, 1.2) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_stall_present_from_the_first_step_is_caught_against_its_calibration(seed):
+    """The worker forked before serving: every upload stalled, the early steps too, so the run's
+    own baseline holds the stall; the probe beside each upload does not."""
+    rng = random.Random(seed)
+    n = 90
+    probe = _copy(rng, n)
+    stage = [p * 6 for p in probe]
+    (f,) = check_latency(_staged(stage, probe), floor_s=0.05 * MS).findings
+    assert f.kind == "staging_slow" and f.step == 4  # the 4th upload in a row
+    assert "freshly allocated buffer" in f.message and f.evidence["stalled_steps"] == n
+    assert f.evidence["ratio"] == pytest.approx(6)
+
+
+def _bursts(rng, n: int, at: int = 16, steps: int = 6, every: int = 20, x: float = 5.0):
+    probe = _copy(rng, n)
+    burst = [i + 1 >= at and (i + 1 - at) % every < steps for i in range(n)]
+    return [p * (x if b else 1.0) for p, b in zip(probe, burst)], probe
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_small_bursts_are_caught_with_the_scenarios_floor(seed):
+    """x5 of a 0.08 ms copy, 6 uploads of every 20: over a 0.05 ms floor, under the 0.5 ms
+    default: the floor is the scenario's setting ([run] latency_floor_ms)."""
+    stage, probe = _bursts(random.Random(seed), 90)
+    (f,) = check_latency(_staged(stage, probe), floor_s=0.05 * MS).findings
+    assert f.step == 19 and f.evidence["bursts"] == 4 and "in 4 bursts" in f.message
+    assert f.evidence["floor_ms"] == pytest.approx(0.05)
+    assert check_latency(_staged(stage, probe)).valid is True  # the default floor hides it
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_noise_on_the_copies_or_a_slower_machine_is_no_staging_stall(seed):
+    """A neighbour lands on one copy or the other (here 1 in 10 of each, far more than beside
+    real runs), and from step 40 the whole machine is 3x slower: both copies alike."""
+    rng = random.Random(seed)
+    n = 120
+    slow = [3.0 if i >= 40 else 1.0 for i in range(n)]
+    probe, stage = [
+        [c * k + (rng.uniform(1, 12) * MS if rng.random() < 0.1 else 0.0) for c, k in zip(xs, slow)]
+        for xs in (_copy(rng, n), _copy(rng, n))
+    ]
+    assert check_latency(_staged(stage, probe), floor_s=0.05 * MS).valid is True
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_machine_so_loaded_every_step_waits_is_no_climb_its_cpu_time_is_flat(seed):
+    """Beside a soak on a 2-core machine with 13 runnable processes, every step from step 60
+    waited for a core: host_s x10, even in the fastest step of each window; its CPU time flat.
+    A stall spends its time on the CPU (a fault, a wait in the copy): that one still counts."""
+    rng = random.Random(seed)
+    n = 120
+    cpu = _quiet_cost(rng, n)
+    waits = [rng.uniform(5, 40) * MS if i >= 60 else 0.0 for i in range(n)]
+    steps = _steps([c + w for c, w in zip(cpu, waits)])
+    for e, c in zip(steps, cpu):
+        e["host_cpu_s"] = c
+    assert check_latency(steps).valid is True
+    stall = _stall(n, 24)
+    steps = _steps([c + s for c, s in zip(cpu, stall)])
+    for e, c, s in zip(steps, cpu, stall):
+        e["host_cpu_s"] = c + s
+    (f,) = check_latency(steps).findings
+    assert f.kind == "latency_climb" and "its CPU time" in f.message
+
+
+def test_an_upload_whose_calibration_was_disturbed_is_not_judged():
+    """Two shapes from real runs beside a soak: a burst with its calibration slowed in its third
+    upload (20 ms) is still a stall; a spell of contention that slows both copies of a few uploads
+    (stage 4 and 8 ms, probe x2-3) is none."""
+    probe = [0.035 * MS] * 40
+    stage = [0.035 * MS] * 15 + [0.2 * MS] * 6 + [0.035 * MS] * 19
+    probe[17] = 20 * MS
+    (f,) = check_latency(_staged(stage, probe), floor_s=0.05 * MS).findings
+    assert f.evidence["steps"] == [16, 17, 19, 20] and f.evidence["disturbed_calibrations"] == 1
+    stage = [0.035 * MS] * 40
+    stage[17:20], probe[17:20] = [4.2 * MS, 8.2 * MS, 0.17 * MS], [0.09 * MS, 0.11 * MS, 0.04 * MS]
+    stage[23], probe[23] = 4.2 * MS, 0.09 * MS
+    assert check_latency(_staged(stage, probe), floor_s=0.05 * MS).valid is True

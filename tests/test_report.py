@@ -190,7 +190,8 @@ def test_staging_stall_gives_the_latency_ratio_and_says_outputs_stayed_correct(s
         lat["from_step"]
         == next(e for e in events if e["e"] == "fault" and e["kind"] == "fired")["step"]
     )
-    win = next(e for e in inc["detection"]["evidence"] if e["type"] == "latency_window")
+    kinds = ("latency_window", "staging_window")  # the trend, or the copy beside its probe
+    win = next(e for e in inc["detection"]["evidence"] if e["type"] in kinds)
     steps = {e["step"]: e for e in events if e["e"] == "step"}
     assert win["window"] and all(
         abs(w["ms"] - steps[w["step"]][win["signal"]] * 1e3) < 1e-2 for w in win["window"]

@@ -102,8 +102,12 @@ def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():
                 if f.name == "ordering_race" and (k == "variant" or k in fit):  # its own stream
                     assert v == fit[k] if k in fit else v in SPACE["ordering_race_variants"]
                     continue
-                # refcount_leak's variant params come from their own declared range
-                own = SPACE["leak_variant"] if f.name == "refcount_leak" else {}
+                # variant params drawn on a stream of their own: from their own declared range
+                own = {
+                    "refcount_leak": SPACE["leak_variant"],
+                    "staging_stall": SPACE["staging_variant"],
+                }
+                own = own.get(f.name, {})
                 spec = SPACE["faults"][f.name][k] if k in SPACE["faults"][f.name] else own[k]
                 if isinstance(spec, list):
                     assert v in spec, (seed, f.name, k, v)

@@ -1,8 +1,9 @@
 """Staging of the per-step block-table upload on CUDA: per-step engine latency with the table staged
-in pinned host memory and copied with non_blocking=True (the reference engine), against pageable
-host memory (the staging-stall fault's CUDA form: the driver bounces the copy through its own
-buffer and the host waits for it). Strategies alternate every few steps on one engine, so both
-see the same batch, contexts and machine noise. Also the bare upload: how long the host is blocked
+in pinned host memory and copied with non_blocking=True (the reference engine), in pinned and
+write-combined memory (cudaHostAlloc's flag), and in pageable host memory (the staging-stall
+fault's CUDA form: the driver bounces the copy through its own buffer and the host waits for it).
+Strategies alternate every few steps on one engine, so all see the same batch, contexts and
+machine noise. Also the bare upload: how long the host is blocked
 by the copy call, and when the copy is complete.
 
 On the CPU there is no host-to-device copy at all, so the comparison does not apply; the result
@@ -37,6 +38,9 @@ TABLES = {"default": (16, 32), "large": (256, 2048)}
 STRATEGIES = {
     "pinned": lambda n: StagingBuffer(n, pinned=True),
     "pageable": lambda n: StagingBuffer(n, pinned=False),
+    # the article's remediation: pinned and write-combined (cudaHostAlloc's flag, through ctypes:
+    # torch has none); the host only writes it, and reads of it bypass the cache (slow)
+    "write_combined": lambda n: StagingBuffer(n, pinned=True, write_combined=True),
 }
 
 
@@ -114,6 +118,7 @@ def upload_times(numel: int, device: str, runs: int = 50) -> dict:
             done.append(time.perf_counter() - t0)
         out[name] = {
             "pinned": buf.tensor.is_pinned(),
+            "write_combined": buf.write_combined,
             "host_blocked_us": round(statistics.median(blocked) * 1e6, 1),
             "complete_us": round(statistics.median(done) * 1e6, 1),
         }
@@ -153,7 +158,8 @@ def print_report(r: dict) -> None:
         print(
             f"  {label} table ({t['table_bytes'] / 1024:.0f} KiB, batch {t['batch']}): pinned "
             f"{p['median_us']} us ({p['host_median_us']}), "
-            f"pageable {q['median_us']} us ({q['host_median_us']}): "
+            f"pageable {q['median_us']} us ({q['host_median_us']}), "
+            f"write-combined {t['write_combined']['median_us']} us: "
             f"{t['pageable_minus_pinned_us']:+} us, x{t['pageable_over_pinned']}; "
             f"bare upload host-blocked {up['pinned']['host_blocked_us']} "
             f"vs {up['pageable']['host_blocked_us']} us"

@@ -16,7 +16,11 @@ def evaluate(sc: Scenario, events: list[dict], verify: dict, error: dict | None,
     checks = run_checkers(
         events,
         {
-            "latency": {"slo_ratio": sc.run.latency_slo_ratio, "signal": sc.run.latency_signal},
+            "latency": {
+                "slo_ratio": sc.run.latency_slo_ratio,
+                "signal": sc.run.latency_signal,
+                "floor_s": sc.run.latency_floor_ms * 1e-3,
+            },
             "liveness": {"bound_steps": sc.run.liveness_bound_steps},
         },
         disabled,

@@ -92,6 +92,9 @@ class _Step(TypedDict):
 
 class Step(_Step, total=False):
     telemetry: dict[str, Any]  # RSS, CPU and GPU fields, on sampled steps
+    stage_s: float  # the upload's copy into the staging buffer (histories from before: none)
+    probe_s: float  # the same copy through a sound buffer beside it, in the step (calibration)
+    host_cpu_s: float  # the CPU time of host_s (a neighbour's load does not add to it)
 
 
 class _Snapshot(TypedDict):

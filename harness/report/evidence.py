@@ -257,6 +257,27 @@ def _evidence_of(v: RunView, f: dict, fv: dict) -> dict:
             f"climb began at step "
             f"{ev['climb_started_step']}, plateau {ev['plateau_ms']:.2f} ms",
         }
+    if k == "staging_slow":  # each upload's staging copy beside its calibration
+        per = {st["step"]: st for st in v.steps if st["step"] in set(ev["steps"])}
+        return {
+            "type": "staging_window",
+            "step": s,
+            "signal": "stage_s",
+            "ratio": ev["ratio"],
+            "window": [
+                {
+                    "step": st,
+                    "ms": round(per[st]["stage_s"] * 1e3, 3),
+                    "probe_ms": round(per[st]["probe_s"] * 1e3, 3),
+                }
+                for st in ev["steps"]
+                if st in per
+            ],
+            "text": f"staging copy {ev['stage_ms']:.3f} ms vs its calibration "
+            f"{ev['probe_ms']:.3f} ms (x{ev['ratio']:.1f}) over steps {ev['steps'][0]}-"
+            f"{ev['steps'][-1]}; {ev['stalled_steps']} of {ev['judged_steps']} judged uploads "
+            f"stalled, in {ev['bursts']} bursts",
+        }
     if k == "stale_table":
         seen_at = {
             st["table_crc"]: st["step"] for st in v.steps if st["step"] < s

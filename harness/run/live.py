@@ -74,6 +74,7 @@ class LiveRun:
         # the fields of the latest snapshot that passed, its cache as cache_delta keeps it (judge)
         self.passed: dict = {}
         self.observe_s = 0.0  # the harness's own time inside the step now running (snapshots)
+        self.observe_cpu = 0.0  # ... and its CPU time
         self.engine.record_writes = observe
         if observe:  # every call into the manager, in the history (not in its digest)
             self.engine.bm.start_log()
@@ -170,9 +171,7 @@ class LiveRun:
 
             def on_upload() -> None:
                 if e.step_count % every == 0:
-                    t = time.perf_counter()
                     self.snapshot(e.step_count)
-                    self.observe_s += time.perf_counter() - t
 
             e.seams.on_upload = on_upload
         if self.observe and "prefix_cache" in e.capabilities:  # reads of KV other requests wrote
@@ -197,6 +196,15 @@ class LiveRun:
             self.h.append(
                 {"e": "fault", "step": 0, "fault": f.name, "kind": "armed", "detail": f.describe()}
             )
+        looks = e.seams.on_upload  # the snapshot, and what faults look at there (their truth)
+
+        def timed_upload_hook() -> None:  # the harness's time and the faults': not the engine's
+            t, c = time.perf_counter(), time.thread_time()
+            looks()
+            self.observe_s += time.perf_counter() - t
+            self.observe_cpu += time.thread_time() - c
+
+        e.seams.on_upload = timed_upload_hook
 
     def _engine_event(self, kind: str, data: dict) -> None:
         if self.kv is not None:  # copies reach the record before the step's writes
@@ -382,6 +390,7 @@ class LiveRun:
             # the harness's snapshots ran inside the step (the one at upload, those the boundary
             # takes to judge refusals): the step's timings are the engine's without them
             at_upload, box = self.observe_s, e.bm.snapshot_s
+            spent_cpu, self.observe_cpu = self.observe_cpu + box[0], 0.0  # box: wall, as CPU
             spent, self.observe_s, box[0] = at_upload + box[0], 0.0, 0.0
             self._log_calls(st.step)
             h.append(
@@ -392,6 +401,9 @@ class LiveRun:
                     "host_s": max(0.0, st.host_s - spent),
                     "upload_s": max(0.0, st.upload_s - at_upload),
                     "harness_s": spent,
+                    "stage_s": st.stage_s,
+                    "probe_s": st.probe_s,
+                    "host_cpu_s": max(0.0, st.host_cpu_s - spent_cpu),
                     "wait_s": st.wait_s,
                     "cpu_s": st.cpu_s,
                     "free_blocks": st.free_blocks,

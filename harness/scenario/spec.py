@@ -172,6 +172,8 @@ class Run(_Strict):
         2.0, gt=1.0
     )  # latency checker: sustained ratio to the early baseline
     latency_signal: Literal["host_s", "latency_s", "cpu_s"] = "host_s"  # the step timing it judges
+    # latency checker: how much slower than what it is compared with (besides the ratio) counts
+    latency_floor_ms: float = Field(0.5, ge=0.0)
     liveness_bound_steps: int = Field(200, ge=1)  # a request waiting longer than this is starved
 
 

@@ -44,6 +44,12 @@ SPACE = {
         "cancels": (1, 3),
     },
     "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
+    # the stall's variant, drawn from its own stream: the ramp's draws stay what they were
+    "staging_variant": {
+        "variant": ["ramp", "from_start", "bursts"],
+        "burst_steps": (5, 8),
+        "burst_every": (15, 25),
+    },
     "prefix_probability": 0.5,  # a workload's prompts share prefixes (system prompts, templates)
     "fault_probability": 0.4,  # each failure mode's trigger is in the mix with this probability
     "defect_probability": 0.5,  # and, when it is, its defect is planted with this one
@@ -111,6 +117,7 @@ OWN_STREAM = ("prefix_cache",)
 # Params added after a failure mode's first draws: each on a stream of its own, drawn after the
 # others (every seed's draws of the rest stay what they were)
 OWN_STREAM_PARAMS = {"table_overflow": ("variant",)}
+STAGED_ENTRIES = 51200  # a real-cost staging stall's table: 200 KiB, 50 pages of 4 KiB
 
 
 def _draw(rng: random.Random, spec):
@@ -149,6 +156,7 @@ def generate_scenario(seed: int) -> dict:
     leak = next((f for f in faults if f["name"] == "refcount_leak"), None)
     if leak is not None:
         _leak_variant(leak, random.Random(f"{seed}/soak/refcount_leak/variant"))
+    run = _staging_variant(seed, faults)
     width = _draw(rng, e["max_blocks_per_seq"])
     engine = {
         "max_prefill_tokens": _draw(rng, e["max_prefill_tokens"]),
@@ -167,6 +175,9 @@ def generate_scenario(seed: int) -> dict:
         # every request must fit a row, or nothing decodes long enough to show a trend
         cache["max_blocks_per_seq"] = max(width, -(-(out + prompt) // cache["block_size"]))
         cache["num_blocks"] = max(cache["num_blocks"], 2 * cache["max_blocks_per_seq"])
+        if run:  # a real page-fault cost needs a serving-size table: rows enough for 50 pages
+            rows = -(-STAGED_ENTRIES // cache["max_blocks_per_seq"])
+            cache["max_num_seqs"] = max(cache["max_num_seqs"], rows)
         workload = {
             "num_requests": _draw(rng, sw["num_requests"]),
             "arrival_rate": 4.0,
@@ -228,9 +239,29 @@ def generate_scenario(seed: int) -> dict:
         "faults": faults,
         "expect": expect,
     }
+    if run:
+        data["run"] = run
     if not faults:
         del data["faults"]
     return data
+
+
+def _staging_variant(seed: int, faults: list[dict]) -> dict:
+    """The staging stall's variant, from its own stream; the [run] settings a real-cost one needs:
+    a floor for a stall of ~0.1 ms, a snapshot every 10th step (each holds the serving-size
+    table), so it is drawn alone in the mix (the others' checks want every step's snapshot).
+    {} for the ramp or no stall."""
+    f = next((f for f in faults if f["name"] == "staging_stall"), None)
+    if f is None:
+        return {}
+    r = random.Random(f"{seed}/soak/staging_stall/variant")
+    drawn = {k: _draw(r, spec) for k, spec in SPACE["staging_variant"].items()}
+    if drawn["variant"] == "ramp" or len(faults) > 1:
+        return {}
+    f["params"]["variant"] = drawn["variant"]
+    if drawn["variant"] == "bursts":
+        f["params"].update(burst_steps=drawn["burst_steps"], burst_every=drawn["burst_every"])
+    return {"latency_floor_ms": 0.05, "snapshot_every": 10}
 
 
 def _excluded(name: str, faults: list[dict]) -> bool:
