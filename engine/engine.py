@@ -20,6 +20,7 @@ from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
+from kvchaos.engine.inflight import AsyncSteps, InFlight
 from kvchaos.engine.model import Model
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.protocols import NOT_V2, KVManager, capabilities, protocol_version
@@ -47,7 +48,7 @@ def decode_backend(name: str):
     return paged_decode_torch
 
 
-class Engine(BatchBuilder):
+class Engine(BatchBuilder, AsyncSteps):
     def __init__(self, config: EngineConfig, block_manager: KVManager | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -129,6 +130,10 @@ class Engine(BatchBuilder):
             "refusals": 0,  # OutOfBlocks answers of the manager (admission, growth, fork)
             "refusals_with_room": 0,  # ... while its own counts said the blocks were free
         }
+        # asynchronous scheduling: the step whose KV writes have not landed (None: synchronous)
+        self.inflight = InFlight(counters=self.counters) if config.async_scheduling else None
+        if self.inflight is not None:
+            self.counters.update(async_fences=0, async_freed=0, async_landed=0)
         if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(
                 admissions=0,
@@ -291,6 +296,8 @@ class Engine(BatchBuilder):
     def _release(self, seq: Sequence, why: str) -> None:
         """Every exit path of a sequence that holds blocks comes through here. why: the seam's
         name (finish, cancel, preempt, error); the manager is told the v2 reason."""
+        if self.inflight is not None and self.inflight.wrote(seq.id):
+            self._release_in_flight(seq, why)
         if self.seams.free_on_exit(seq, why):
             self.bm.release(seq.id, RELEASE_REASONS[why])
         seq.holds = False
@@ -321,12 +328,14 @@ class Engine(BatchBuilder):
         scheduler = self.scheduler
         decode, prefill, preempted = scheduler.schedule()
         if not decode and not prefill:
+            self._complete()
             stats = self._stats(t0, c0, t0, t0, decode, prefill, preempted, [], computed=False)
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
             decode, prefill, copies = scheduler.reserve(decode, prefill, preempted)
             if not decode and not prefill:  # every reservation refused: nothing runs this step
+                self._complete()
                 stats = self._stats(t0, c0, t0, t0, [], [], preempted, [], computed=False)
                 return StepOutput(stats, {}, {}, [])
             if copies:
@@ -338,6 +347,8 @@ class Engine(BatchBuilder):
             tokens, positions, metas = self._build_batch(decode, prefill)
             t_host = time.perf_counter()
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
+            if self.inflight is not None:
+                self._went_in_flight(decode, prefill, metas)
             # Sequences whose every token is now computed produce a token.
             emit: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
             off = len(decode)
@@ -450,6 +461,7 @@ class Engine(BatchBuilder):
 
     def close(self) -> None:
         """Release every block still held (idempotent)."""
+        self._complete()
         for s in list(self.scheduler.running):
             self.scheduler.remove(s)
             self.bm.release(s.id, "aborted")

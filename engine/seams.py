@@ -18,6 +18,10 @@ def _always_free(seq, reason: str) -> bool:
     return True
 
 
+def _never(seq, reason: str) -> bool:
+    return False
+
+
 def _ignore(kind: str, data: dict) -> None:
     return None
 
@@ -38,6 +42,9 @@ class Seams:
     rank_delay: Callable[[int, int], int] = _no_delay
     # Whether to release a sequence's blocks as it leaves (reason: finish, cancel, preempt, error).
     free_on_exit: Callable[[object, str], bool] = _always_free
+    # Asynchronous scheduling: release a sequence while the step in flight still writes its
+    # blocks (reason as above); False: wait for that step first (engine/inflight.py).
+    free_in_flight: Callable[[object, str], bool] = _never
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
     on_event: Callable[[str, dict], None] = field(default=_ignore)
     # Called once a step's table is uploaded, before any rank computes: the table the kernels read.
