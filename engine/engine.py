@@ -296,9 +296,9 @@ class Engine(BatchBuilder, AsyncSteps):
     def _release(self, seq: Sequence, why: str) -> None:
         """Every exit path of a sequence that holds blocks comes through here. why: the seam's
         name (finish, cancel, preempt, error); the manager is told the v2 reason."""
-        if self.inflight is not None and self.inflight.wrote(seq.id):
-            self._release_in_flight(seq, why)
         if self.seams.free_on_exit(seq, why):
+            if self.inflight is not None and self.inflight.wrote(seq.id):
+                self._release_in_flight(seq, why)  # the step in flight still writes its blocks
             self.bm.release(seq.id, RELEASE_REASONS[why])
         seq.holds = False
         self.table.drop(seq.id)  # a skipped free leaks blocks; an engine-built row goes anyway

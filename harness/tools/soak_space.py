@@ -64,6 +64,7 @@ SPACE = {
             "pairs": (1, 2),
             "pressure_tokens": [0],
         },
+        "async_free": {"variant": ["finish", "abort", "preempt"], "cancels": (2, 6)},
     },
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
@@ -72,11 +73,12 @@ SPACE = {
         "staging_stall": 20,
         "ordering_race": 2,
         "prefix_cache": 2,
+        "async_free": 2,
     },
 }
 # Failure modes added after the soak's first draws take their own random stream: every seed's
 # draws for the others stay what they were.
-OWN_STREAM = ("prefix_cache",)
+OWN_STREAM = ("prefix_cache", "async_free")
 
 
 def _draw(rng: random.Random, spec):
@@ -153,6 +155,9 @@ def generate_scenario(seed: int) -> dict:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
         _share_prefixes(cache, workload, random.Random(f"{seed}/soak/prefix"))
+    if "async_free" in names:
+        fault = next(f for f in faults if f["name"] == "async_free")
+        _fit_async_free(engine, workload, fault, "staging_stall" in names)
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         detectors = sorted({d for n in planted for d in REGISTRY[n].detectors})
@@ -188,6 +193,18 @@ def _excluded(name: str, faults: list[dict]) -> bool:
     """A stall is judged on a steady decode-only stretch, which the prefix_cache trigger's
     prefills would break: the two are never drawn together."""
     return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
+
+
+def _fit_async_free(engine: dict, workload: dict, fault: dict, stall: bool) -> None:
+    """async_free plants in asynchronous scheduling; preempt needs a pool the requests outgrow,
+    which a stall's few long requests never do (there it frees on finish instead)."""
+    engine["async_scheduling"] = True
+    if fault["params"]["variant"] == "preempt" and stall:
+        fault["params"]["variant"] = "finish"
+    elif fault["params"]["variant"] == "preempt":
+        cache = engine["cache"]
+        cache["num_blocks"] = 2 * cache["max_blocks_per_seq"]
+        workload["num_requests"] = max(workload["num_requests"], 8)
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
