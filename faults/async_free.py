@@ -65,7 +65,7 @@ class Landed(TypedDict):
 
 class Victim(TypedDict):
     step: int
-    req: str  # held a block a late write landed in (then, or later: the slot stays wrong)
+    req: str  # held a block a late write landed in (then, or since: the slot stays wrong)
 
 
 class Truth(base.Truth):
@@ -141,10 +141,10 @@ class AsyncFree(Fault):
             self.touch(blocks=x["blocks"])
             self.fired(step, {**d, "holders": held})
         self.seen = len(log)
-        writers = {x["req"] for x in self.landed}
+        # a holder since the writes landed (the writer too: a preempted request readmitted)
         for b in {b for x in self.landed for b in x["blocks"]}:
             for q in holders(engine.table, b):
-                if q not in writers and q not in self.victims:
+                if q not in self.victims:
                     self.victims[q] = step
                     self.touch(requests=[q])
 
@@ -166,7 +166,7 @@ class AsyncFree(Fault):
             return None
         writers = {x["req"] for x in landed}
         blocks = {b for x in landed for b in x["blocks"]}
-        victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s} - writers
+        victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s}
         if checker == "table_integrity" and kind == "foreign_write":
             named = set(ev.get("blocks") or ())
             return "cause" if ev.get("req") in writers and named and named <= blocks else None

@@ -173,12 +173,17 @@ def cmd_list(args) -> int:
     if args.format == "json":
         _print_json({"scenarios": [_scenario_doc(s) for s in scs]})
         return 0
+    from kvchaos.faults import REGISTRY
+
     t = Table(title="kvchaos scenarios")
     for col in ("name", "expect", "faults (defect planted?)", "markers", "seeds"):
         t.add_column(col)
     for s in scs:
         faults = (
-            ", ".join(f"{f.name}{' (defect)' if f.defect else ' (trigger only)'}" for f in s.faults)
+            ", ".join(
+                REGISTRY[f.name].label(f.params) + (" (defect)" if f.defect else " (trigger only)")
+                for f in s.faults
+            )
             or "-"
         )
         exp = s.expect.outcome + (

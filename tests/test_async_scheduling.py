@@ -18,6 +18,7 @@ from kvchaos.engine.inflight import InFlight
 from kvchaos.faults import REGISTRY
 from kvchaos.faults.async_free import VARIANTS, AsyncFree
 from kvchaos.faults.base import ParamError
+from kvchaos.harness.history.events import ENGINE_DATA, KINDS
 from kvchaos.harness.history.log import deterministic_digest
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import load_scenario, parse_scenario
@@ -134,3 +135,16 @@ def test_writes_kept_for_an_early_free_land_when_their_step_completes():
     assert pool[0, 0, 3, 1].item() == 7.0  # the late write is over the new holder's
     assert landed[0]["blocks"] == [3] and landed[0]["holders"] == {"3": ["b"]}
     assert f.step is None and f.counters["async_landed"] == 1
+
+
+def test_the_events_are_as_their_types_say(runs):
+    for key in (("preempt", "detect"), ("abort", "clean")):
+        events = runs[key].events
+        assert {e["e"] for e in events} <= set(KINDS)
+        for e in async_events(events):
+            t = ENGINE_DATA[e["kind"]]
+            assert (
+                t.__required_keys__ <= set(e["data"]) <= t.__required_keys__ | t.__optional_keys__
+            )
+        kinds = {e["kind"] for e in async_events(events)}
+        assert kinds >= ({"async_freed", "async_landed"} if key[1] == "detect" else {"async_fence"})
