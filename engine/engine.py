@@ -133,7 +133,7 @@ class Engine(BatchBuilder, AsyncSteps):
         # asynchronous scheduling: the step whose KV writes have not landed (None: synchronous)
         self.inflight = InFlight(counters=self.counters) if config.async_scheduling else None
         if self.inflight is not None:
-            self.counters.update(async_fences=0, async_freed=0, async_landed=0)
+            self.counters.update(async_fences=0, async_freed=0, async_landed=0, async_mixed=0)
         if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(
                 admissions=0,
@@ -438,6 +438,8 @@ class Engine(BatchBuilder, AsyncSteps):
         self.table_version += 1
         self.ranks.publish(staged, self.table_version, self.step_count, self.seams.rank_delay)
         self.ranks.deliver(self.step_count)
+        if self.inflight is not None:
+            self._staged_in_flight(staged)
         if self.seams.rank_sync:
             self.counters["rank_sync_waits"] += self.ranks.sync()
         if len(self.ranks.ranks) > 1:  # what each rank computes with vs what the scheduler uploaded
@@ -457,7 +459,8 @@ class Engine(BatchBuilder, AsyncSteps):
 
     # -- lifecycle -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # a step in flight with writes kept to land still has to complete
+        return self.scheduler.has_unfinished() or bool(self.inflight and self.inflight.early)
 
     def close(self) -> None:
         """Release every block still held (idempotent)."""

@@ -49,6 +49,14 @@ class AsyncFreed(TypedDict):
     slots: list[int]  # rank 0's slots of its in-flight writes
 
 
+class AsyncMixed(TypedDict):
+    """The table a step computes with mixes two steps: rows past the first still hold the step
+    before's, which its in-flight copy wrote after this step's table was staged."""
+
+    rows: list[int]
+    seqs: list[str]  # the sequences those rows now belong to
+
+
 class AsyncLanded(TypedDict):
     """In-flight writes of a released sequence landed (their step completed)."""
 
@@ -76,6 +84,8 @@ class InFlight:
     early: list[Early] = field(default_factory=list)
     landed: list[AsyncLanded] = field(default_factory=list)  # since the harness last looked
     log: list[AsyncLanded] = field(default_factory=list)  # every landing of the run
+    staged: torch.Tensor | None = None  # the table the step in flight's copy reads
+    mixed: list[AsyncMixed] = field(default_factory=list)  # every mixed table of the run
     counters: dict[str, int]  # the engine's: async_fences, async_freed, async_landed
 
     def begin(self, step: int, ids: list[str], pos: list[int], tok: list[int], slots) -> None:
@@ -159,6 +169,28 @@ class AsyncSteps:
         self._complete()
         f.counters["async_fences"] += 1
         self.seams.on_event("async_fence", dict(AsyncFence(req=seq.id, why=why, waited=waited)))
+
+    def _staged_in_flight(self, staged) -> None:
+        """The step in flight's table copy reads its staged table still (its first row copied):
+        with one buffer restaged for this step (seam reuse_staging), its other rows land over
+        this step's on every rank; double-buffered, each copy reads its own."""
+        f, width = self.inflight, self.table.table.width
+        prev, f.staged = f.staged, staged.clone()
+        if prev is None or prev.shape != staged.shape:
+            return
+        differ = (prev != staged).view(-1, width).any(1).nonzero().flatten().tolist()
+        differ = [r for r in differ if r > 0]
+        of_row = {r: q for q, r in self.table.rows.items()}
+        seqs = sorted({of_row[r] for r in differ if r in of_row})
+        if not self.seams.reuse_staging(seqs) or not seqs:  # asked each upload, [] too
+            return
+        for rank in self.ranks.ranks:
+            if rank.table.shape == prev.shape:
+                rank.table[width:] = prev[width:].to(rank.table.device)
+        self.counters["async_mixed"] += 1
+        mixed = AsyncMixed(rows=differ, seqs=seqs)
+        f.mixed.append(mixed)
+        self.seams.on_event("async_mixed", dict(mixed))
 
     def _complete(self) -> None:
         """The step in flight completes: writes kept for sequences freed early land now."""

@@ -11,6 +11,10 @@ request (engine/inflight.py). Variants, by the exit that frees too early:
             the write in flight is the step's
   preempt   a request preempted while the step in flight still writes its blocks has them handed
             to the request the preemption made room for (vllm-ascend#14055, vllm#45357)
+  staging   the one pinned staging buffer is restaged for step N+1 while step N's non-blocking
+            table copy still reads it, so a device table mixes two steps (the class of
+            LMCache#4830 and cudf#22284: a pinned source reused under an async copy); the fix
+            double-buffers the staging
 
 The trigger (a release while the step in flight wrote the sequence's blocks: the hazard window)
 is the same in clean and detect runs; the engine's remediation waits for that step before it
@@ -26,7 +30,7 @@ from kvchaos.faults import base
 from kvchaos.faults.base import COUNT, Fault, OneOf, ParamError
 from kvchaos.faults.plan import Action
 
-VARIANTS = ("finish", "abort", "preempt")
+VARIANTS = ("finish", "abort", "preempt", "staging")
 REASON = {"finish": "finish", "abort": "cancel", "preempt": "preempt"}  # the exit's seam name
 TEXT = {  # variant: (root cause, remediation), as an incident quotes them
     "finish": (
@@ -52,6 +56,14 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "A preemption frees only after the step that last wrote the victim's blocks has "
         "completed: wait for it before handing the blocks out.",
     ),
+    "staging": (
+        "The block table was staged for step N+1 into the one pinned buffer step N's "
+        "non-blocking host-to-device copy was still reading: the device table mixed rows of two "
+        "steps, and sequences whose rows changed wrote and read KV through the step before's "
+        "entries (a pinned source reused under an async copy: LMCache#4830, cudf#22284).",
+        "Double-buffer the staging: each step stages into the buffer no copy in flight reads "
+        "(or waits for the copy before restaging).",
+    ),
 }
 
 
@@ -68,7 +80,15 @@ class Victim(TypedDict):
     req: str  # held a block a late write landed in (then, or since: the slot stays wrong)
 
 
+class Mixed(TypedDict):
+    step: int
+    rows: list[int]
+    seqs: list[str]  # computed through the step before's rows
+    blocks: list[int]  # theirs (by their rows now): written elsewhere, or never
+
+
 class Truth(base.Truth):
+    mixed: NotRequired[list[Mixed]]
     landed: NotRequired[list[Landed]]
     freed_early: NotRequired[list[str]]
     victims: NotRequired[list[Victim]]
@@ -100,6 +120,10 @@ class AsyncFree(Fault):
                 "variant",
                 "plants in asynchronous scheduling: set [engine] async_scheduling = true",
             )
+        if p["variant"] == "staging" and cfg.tp_size != 1:
+            raise ParamError(
+                cls.name, "variant", f"staging mixes one rank's table: tp_size 1, got {cfg.tp_size}"
+            )
 
     def shape(self, plan, cfg) -> None:
         if self.p["variant"] != "abort":
@@ -114,6 +138,11 @@ class AsyncFree(Fault):
         self.landed: list[dict] = []
         self.freed: list[str] = []
         self.victims: dict[str, int] = {}  # req -> step it first held a block written late
+        self.mixed: list[dict] = []
+        self.tainted: set[int] = set()  # (staging) blocks holding KV computed through one
+        if self.p["variant"] == "staging":
+            engine.seams.reuse_staging = self._reuse
+            return
         why = REASON[self.p["variant"]]
 
         def free_in_flight(seq, reason: str) -> bool:
@@ -131,7 +160,24 @@ class AsyncFree(Fault):
 
         engine.seams.free_in_flight = free_in_flight
 
+    def _reuse(self, seqs: list) -> bool:
+        """The hazard window: this step's table differs from the one the copy in flight reads."""
+        t, step = self.engine.table, self.engine.step_count
+        if self.tainted:  # this step's rows, before any sequence of it finishes
+            for q, r in t.rows.items():
+                if q not in self.victims and not self.tainted.isdisjoint(t.table.row(r)):
+                    self.victims[q] = step
+        if not seqs:
+            return False
+        self.trigger(step, {"seqs": seqs})
+        if self.defect:
+            return True
+        self.remediated += 1  # double-buffered: the copy in flight reads its own buffer
+        return False
+
     def after_step(self, engine, step: int, output) -> None:
+        if self.p["variant"] == "staging":
+            return self._after_mixed(engine, step)
         log = engine.inflight.log
         for x in log[self.seen :]:
             held = {b: h for b, h in x["holders"].items() if h}
@@ -148,11 +194,40 @@ class AsyncFree(Fault):
                     self.victims[q] = step
                     self.touch(requests=[q])
 
+    def _after_mixed(self, engine, step: int) -> None:
+        for x in engine.inflight.mixed[len(self.mixed) :]:
+            mine = {q: set(engine.table.table.row(r)) for q, r in engine.table.rows.items()}
+            own = sorted({b for q in x["seqs"] for b in mine.get(q, ()) if b >= 0})
+            d = {"step": step, "rows": x["rows"], "seqs": x["seqs"], "blocks": own}
+            self.mixed.append(d)
+            self.touch(requests=x["seqs"], rows=x["rows"], blocks=own)
+            self.fired(step, d)
+            # who holds the blocks the mixed rows' sequences wrote but do not own: victims
+            for q in x["seqs"]:
+                for b in engine.written.get(q, {}):
+                    if b in mine.get(q, ()):
+                        continue
+                    self.touch(blocks=[b])
+                    for h in holders(engine.table, b):
+                        self.victims.setdefault(h, step)
+        if not self.mixed:
+            return
+        # KV computed through a mixed table spreads: blocks a mixed sequence or a victim wrote
+        # or holds (written elsewhere, or never) are tainted, and whoever holds one reads it
+        bad = {q for x in self.mixed for q in x["seqs"]} | set(self.victims)
+        t = engine.table
+        for q, blocks in engine.written.items():
+            if q in bad:
+                self.tainted.update(blocks)
+        for q in bad & set(t.rows):
+            self.tainted.update(b for b in t.table.row(t.rows[q]) if b >= 0)
+
     def verify(self) -> dict:
         return {
             **super().verify(),
             "variant": self.p["variant"],
             "landed": getattr(self, "landed", []),
+            "mixed": getattr(self, "mixed", []),
             "freed_early": getattr(self, "freed", []),
             "victims": [{"step": t, "req": q} for q, t in getattr(self, "victims", {}).items()],
         }
@@ -161,6 +236,8 @@ class AsyncFree(Fault):
     def explains(cls, finding: dict, truth: dict) -> str | None:
         s, ev, kind = finding["step"], finding.get("evidence") or {}, finding.get("kind")
         checker = finding.get("checker")
+        if truth.get("variant") == "staging":
+            return _explains_mixed(finding, truth)
         landed = [x for x in truth.get("landed", []) if x["step"] <= s]
         if not landed:
             return None
@@ -183,3 +260,31 @@ class AsyncFree(Fault):
             tainted = set(ev.get("writers") or ()) & victims or ev.get("parent_block") in blocks
             return "consequence" if tainted else None
         return None
+
+
+def _explains_mixed(finding: dict, truth: dict) -> str | None:
+    """staging: a sequence that computed through the step before's rows, by its own reads and
+    writes; a holder of a block it wrote over."""
+    s, ev, kind = finding["step"], finding.get("evidence") or {}, finding.get("kind")
+    checker = finding.get("checker")
+    done = [x for x in truth.get("mixed", []) if x["step"] <= s]
+    mixed = {q for x in done for q in x["seqs"]}
+    blocks = {b for x in done for b in x.get("blocks", ())}
+    victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s}
+    if not mixed:
+        return None
+    if checker == "table_integrity" and kind in ("foreign_write", "unslotted_write"):
+        return "cause" if ev.get("req") in mixed else None
+    if checker == "kv_reads" and kind in ("wrong_read", "unwritten_read"):
+        hit = {ev.get("req"), ev.get("writer")} & (mixed | victims) or ev.get("block") in blocks
+        return "cause" if hit else None
+    if checker == "kv_reads":
+        return "consequence" if ev.get("origin") in mixed | victims else None
+    if checker == "oracle_divergence" and kind == "divergence":
+        return "cause" if ev.get("req") in mixed | victims else None
+    if checker == "prefix_cache" and kind in ("cache_content", "hit_blocks"):
+        if ev.get("block") in blocks or ev.get("req") in mixed:
+            return "cause"
+        tainted = set(ev.get("writers") or ()) & (mixed | victims)
+        return "consequence" if tainted or ev.get("parent_block") in blocks else None
+    return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict, Union, get_args, get_type_hints
 
-from kvchaos.engine.inflight import AsyncFence, AsyncFreed, AsyncLanded, AsyncStep
+from kvchaos.engine.inflight import AsyncFence, AsyncFreed, AsyncLanded, AsyncMixed, AsyncStep
 
 Phase = Literal["waiting", "prefill", "decode", "preempted"]
 EndReason = Literal["done", "max_steps", "interrupted", "error"]
@@ -143,7 +143,8 @@ class Engine(TypedDict):
     e: Literal["engine"]
     step: int
     # cow | staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption;
-    # with [engine] async_scheduling: async_step | async_fence | async_freed | async_landed
+    # with [engine] async_scheduling: async_step | async_fence | async_freed | async_landed |
+    # async_mixed
     kind: str
     data: dict[str, Any]  # a hit: req, known, answered, used, capped, blocks; ENGINE_DATA's
 
@@ -155,6 +156,7 @@ ENGINE_DATA: dict[str, type] = {
     "async_fence": AsyncFence,
     "async_freed": AsyncFreed,
     "async_landed": AsyncLanded,
+    "async_mixed": AsyncMixed,
 }
 
 

@@ -64,7 +64,7 @@ SPACE = {
             "pairs": (1, 2),
             "pressure_tokens": [0],
         },
-        "async_free": {"variant": ["finish", "abort", "preempt"], "cancels": (2, 6)},
+        "async_free": {"variant": ["finish", "abort", "preempt", "staging"], "cancels": (2, 6)},
     },
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
@@ -197,9 +197,10 @@ def _excluded(name: str, faults: list[dict]) -> bool:
 
 def _fit_async_free(engine: dict, workload: dict, fault: dict, stall: bool) -> None:
     """async_free plants in asynchronous scheduling; preempt needs a pool the requests outgrow,
-    which a stall's few long requests never do (there it frees on finish instead)."""
+    which a stall's few long requests never do, staging one rank (else it frees on finish)."""
     engine["async_scheduling"] = True
-    if fault["params"]["variant"] == "preempt" and stall:
+    v = fault["params"]["variant"]
+    if (v in ("preempt", "staging") and stall) or (v == "staging" and engine["tp_size"] > 1):
         fault["params"]["variant"] = "finish"
     elif fault["params"]["variant"] == "preempt":
         cache = engine["cache"]
