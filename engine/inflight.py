@@ -13,8 +13,14 @@ while the step in flight wrote its blocks is the hazard window:
   completes, into blocks the manager has taken back and may have handed to another request.
 
 Only those writes are re-applied at completion (the others land on the values already there).
+
+The table upload is asynchronous too: step N's copy still reads its staged table when step N+1
+is staged. Double-buffered (the default), each copy reads its own buffer; restaging the one
+buffer (seam `reuse_staging`) lets N's copy land over N+1's rows past the first, so the table
+step N+1 computes with mixes two steps.
+
 The events of the history (engine events, built by keyword here): `async_step`, `async_fence`,
-`async_freed`, `async_landed`."""
+`async_freed`, `async_landed`, `async_mixed`."""
 
 from __future__ import annotations
 
