@@ -139,6 +139,9 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks, each holding its own copy of the block table
     # ranks in this process (kvchaos.engine.ranks), or real processes (kvchaos.engine.distributed)
     tp_mode: str = "simulated"
+    # step N+1 scheduled before step N's KV writes land (engine/inflight.py); off: a synchronous
+    # step, and the config (its hash, the history) as it always was
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -162,6 +165,11 @@ class EngineConfig:
             "engine.device",
             f"must be cpu, cuda or cuda:N, got {self.device!r}",
         )
+        _require(
+            not (self.async_scheduling and self.tp_mode == "distributed"),
+            "engine.async_scheduling",
+            "runs with tp_mode = 'simulated' only",
+        )
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":
@@ -169,7 +177,10 @@ class EngineConfig:
         return "triton" if self.device.startswith("cuda") else "torch"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.async_scheduling:  # off: the dict (and hash) every stored run has
+            del d["async_scheduling"]
+        return d
 
     def config_hash(self) -> str:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()

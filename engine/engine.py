@@ -8,9 +8,7 @@ computed.
 
 from __future__ import annotations
 
-import os
 import time
-import zlib
 
 import torch
 
@@ -20,6 +18,7 @@ from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
+from kvchaos.engine.inflight import AsyncSteps, InFlight
 from kvchaos.engine.model import Model
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.protocols import NOT_V2, KVManager, capabilities, protocol_version
@@ -29,6 +28,7 @@ from kvchaos.engine.seams import Seams
 from kvchaos.engine.sequence import Sequence, State, StepOutput, StepStats
 from kvchaos.engine.staging import StagingBuffer
 from kvchaos.engine.tables import BuiltTable, OwnedTable
+from kvchaos.engine.upload import TableUpload
 
 # The seams' names for a sequence's exits (faults key on them) -> the v2 release reasons
 RELEASE_REASONS = {
@@ -47,7 +47,7 @@ def decode_backend(name: str):
     return paged_decode_torch
 
 
-class Engine(BatchBuilder):
+class Engine(BatchBuilder, AsyncSteps, TableUpload):
     def __init__(self, config: EngineConfig, block_manager: KVManager | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -136,6 +136,10 @@ class Engine(BatchBuilder):
             "refusals": 0,  # OutOfBlocks answers of the manager (admission, growth, fork)
             "refusals_with_room": 0,  # ... while its own counts said the blocks were free
         }
+        # asynchronous scheduling: the step whose KV writes have not landed (None: synchronous)
+        self.inflight = InFlight(counters=self.counters) if config.async_scheduling else None
+        if self.inflight is not None:
+            self.counters.update(async_fences=0, async_freed=0, async_landed=0, async_mixed=0)
         if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(
                 admissions=0,
@@ -302,6 +306,8 @@ class Engine(BatchBuilder):
         """Every exit path of a sequence that holds blocks comes through here. why: the seam's
         name (finish, cancel, preempt, error); the manager is told the v2 reason."""
         if self.seams.free_on_exit(seq, why):
+            if self.inflight is not None and self.inflight.wrote(seq.id):
+                self._release_in_flight(seq, why)  # the step in flight still writes its blocks
             self.bm.release(seq.id, RELEASE_REASONS[why])
         seq.holds = False
         self.table.drop(seq.id)  # a skipped free leaks blocks; an engine-built row goes anyway
@@ -338,12 +344,14 @@ class Engine(BatchBuilder):
         scheduler = self.scheduler
         decode, prefill, preempted = scheduler.schedule()
         if not decode and not prefill:
+            self._complete()
             stats = self._stats(t0, c0, t0, t0, decode, prefill, preempted, [], computed=False)
             return StepOutput(stats, {}, {}, [])
         scheduled = decode + [s for s, _ in prefill]
         try:
             decode, prefill, copies = scheduler.reserve(decode, prefill, preempted)
             if not decode and not prefill:  # every reservation refused: nothing runs this step
+                self._complete()
                 stats = self._stats(t0, c0, t0, t0, [], [], preempted, [], computed=False)
                 return StepOutput(stats, {}, {}, [])
             if copies:
@@ -355,6 +363,8 @@ class Engine(BatchBuilder):
             tokens, positions, metas = self._build_batch(decode, prefill)
             t_host, self._host_cpu_s = time.perf_counter(), time.thread_time() - c0
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
+            if self.inflight is not None:
+                self._went_in_flight(decode, prefill, metas)
             # Sequences whose every token is now computed produce a token.
             emit: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
             off = len(decode)
@@ -426,114 +436,14 @@ class Engine(BatchBuilder):
             stale_tables=self._stale_tables if computed else [],
         )
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        late = []
-        for rank in range(len(self.kv_pools)):
-            d = self.seams.rank_copy_delay(rank, self.step_count)
-            if d > 0 or any(q == rank for _, q, _ in self._late_copies):  # behind those in flight
-                self._late_copies.append((self.step_count + max(d, 0), rank, copies))
-                late.append(rank)
-            else:
-                self._copy_on(rank, copies)
-        self.counters["cow_copies"] += len(copies)
-        data = {"copies": copies, "late_ranks": late} if late else {"copies": copies}
-        self.seams.on_event("cow", data)
-
-    def _copy_on(self, rank: int, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        pool = self.kv_pools[rank]
-        pool[:, :, dst] = pool[:, :, src]
-
-    def _stage(self, host: torch.Tensor) -> torch.Tensor:
-        """The staging copy, timed (stage_s), beside its calibration (probe_s): the same copy
-        through a buffer this process allocated (as it allocates its own) and first touched right
-        after the last upload's copy, so its pages have been left as long as the engine's own.
-        A copy into the last probe's buffer goes first (untimed): whichever copy came first would
-        pay for the code and the host table coming back into cache. The calibration's time
-        (calib_s) is left out of the step's timings."""
-        t0 = time.perf_counter()
-        probe, n = self._probe, host.numel()
-        probed = probe is not None and probe.tensor.numel() == n
-        if probed:
-            self._warm.stage(host)
-        t1 = time.perf_counter()
-        staged = self.staging.stage(host)
-        t2 = time.perf_counter()
-        if probed:
-            probe.stage(host)
-        t3 = time.perf_counter()
-        self._warm = probe if probed else StagingBuffer(n, self._pinned)
-        self._probe = StagingBuffer(n, self._pinned)  # the next upload's
-        self._probe.stage(host)  # its first touch (a pageable one faults here)
-        t4 = time.perf_counter()
-        self._stage_s, self._probe_s = t2 - t1, t3 - t2 if probed else 0.0
-        self._calib_s = (t1 - t0) + (t4 - t2)
-        return staged
-
-    def _upload_table(self) -> list[int]:
-        """host table -> staging -> every rank. Returns the ranks left on an old version."""
-        host = self.table.table.host_tensor
-        if self.staging.tensor.numel() != host.numel():
-            self.staging = StagingBuffer(host.numel(), self._pinned)
-        elif self.seams.staging_check and not self.staging.valid():
-            self.staging = StagingBuffer(host.numel(), self._pinned)
-            self.counters["staging_reallocs"] += 1
-            self.seams.on_event("staging_realloc", {"pid": os.getpid()})
-        staged = self._stage(host)
-        self.seams.on_upload()
-        self.table_version += 1
-        seams = self.seams
-        self.ranks.publish(
-            staged, self.table_version, self.step_count, seams.rank_delay, seams.rank_receive
-        )
-        self.ranks.deliver(self.step_count)
-        if seams.rank_sync:
-            self.counters["rank_sync_waits"] += self.ranks.sync()
-        if seams.rank_verify:  # re-sent whole: counted with the waits
-            self.counters["rank_sync_waits"] += self.ranks.verify(staged, self.table_version)
-        self._land_copies()
-        if len(self.ranks.ranks) > 1:  # what each rank computes with vs what the scheduler uploaded
-            self._crcs = [r.crc() for r in self.ranks.ranks]
-            self._table_crc = zlib.crc32(memoryview(self.table.table.host))
-        else:
-            self._crcs, self._table_crc = [], 0
-        stale = [r for r in self.ranks.ranks if r.version != self.table_version]
-        self.counters["stale_rank_computes"] += len(stale)
-        # the engine's own record of a stale read that matters: a table with other content (an old
-        # version, or the step's version torn or overtaken)
-        self._stale_tables = [
-            r.index
-            for r in self.ranks.ranks
-            if r.content().shape != staged.shape or not torch.equal(r.content(), staged)
-        ]
-        return [r.index for r in stale]
-
-    def _land_copies(self) -> None:
-        """Copy-on-write copies still in flight on a rank: those due land now; with rank_sync every
-        one does (waited for). `copies_in_flight` is the engine's record of what each rank
-        computes this step without."""
-        if not self._late_copies:
-            return
-        step, sync, keep = self.step_count, self.seams.rank_sync, []
-        for due, rank, copies in self._late_copies:
-            if due <= step or sync:
-                self._copy_on(rank, copies)
-                self.counters["rank_sync_waits"] += sync and due > step
-                self.seams.on_event("cow_landed", {"rank": rank, "copies": copies})
-            else:
-                keep.append((due, rank, copies))
-        self._late_copies = keep
-        self.copies_in_flight = {}
-        for _, rank, copies in keep:
-            self.copies_in_flight.setdefault(rank, []).extend(copies)
-
     # -- lifecycle -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # a step in flight with writes kept to land still has to complete
+        return self.scheduler.has_unfinished() or bool(self.inflight and self.inflight.early)
 
     def close(self) -> None:
         """Release every block still held (idempotent)."""
+        self._complete()
         for s in list(self.scheduler.running):
             self.scheduler.remove(s)
             self.bm.release(s.id, "aborted")

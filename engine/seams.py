@@ -18,6 +18,14 @@ def _always_free(seq, reason: str) -> bool:
     return True
 
 
+def _never(seq, reason: str) -> bool:
+    return False
+
+
+def _never_rows(seqs: list) -> bool:
+    return False
+
+
 def _ignore(kind: str, data: dict) -> None:
     return None
 
@@ -63,6 +71,13 @@ class Seams:
     slots_by_position: bool = True
     # Whether to release a sequence's blocks as it leaves (reason: finish, cancel, preempt, error).
     free_on_exit: Callable[[object, str], bool] = _always_free
+    # Asynchronous scheduling: release a sequence while the step in flight still writes its
+    # blocks (reason as above); False: wait for that step first (engine/inflight.py).
+    free_in_flight: Callable[[object, str], bool] = _never
+    # ... and restage the one staging buffer while the step in flight's table copy still reads
+    # it, told (at each upload) the sequences whose rows would mix two steps; False:
+    # double-buffered staging.
+    reuse_staging: Callable[[list], bool] = _never_rows
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
     on_event: Callable[[str, dict], None] = field(default=_ignore)
     # Called once a step's table is uploaded, before any rank computes: the table the kernels read.

@@ -1,6 +1,7 @@
 """The four failure modes of the source article and the prefix cache's, each with a trigger and a
 plantable defect."""
 
+from kvchaos.faults.async_free import AsyncFree
 from kvchaos.faults.base import Fault, ParamError  # noqa: F401  ParamError: for kvchaos.harness.scenario.spec
 from kvchaos.faults.ordering_race import OrderingRace
 from kvchaos.faults.prefix_cache import PrefixCache
@@ -9,7 +10,15 @@ from kvchaos.faults.staging_stall import StagingStall
 from kvchaos.faults.table_overflow import TableOverflow
 
 REGISTRY: dict[str, type[Fault]] = {
-    f.name: f for f in (TableOverflow, RefcountLeak, StagingStall, OrderingRace, PrefixCache)
+    f.name: f
+    for f in (
+        TableOverflow,
+        RefcountLeak,
+        StagingStall,
+        OrderingRace,
+        PrefixCache,
+        AsyncFree,
+    )
 }
 
 

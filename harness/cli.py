@@ -173,11 +173,11 @@ def cmd_list(args) -> int:
     if args.format == "json":
         _print_json({"scenarios": [_scenario_doc(s) for s in scs]})
         return 0
+    from kvchaos.faults import REGISTRY
+
     t = Table(title="kvchaos scenarios")
     for col in ("name", "expect", "faults (defect planted?)", "markers", "seeds"):
         t.add_column(col)
-    from kvchaos.faults import REGISTRY
-
     for s in scs:
         faults = (
             ", ".join(

@@ -150,6 +150,8 @@ def test_list_shows_every_builtin_with_expectation_and_markers(capsys):
     )
     row = next(line for line in out.splitlines() if "refcount-leak-clean" in line)
     assert "clean" in row and "(trigger only)" in row
+    row = next(line for line in out.splitlines() if "async-free-abort-detect" in line)
+    assert "async_free/abort (defect)" in row  # a fault with variants: named by its label
 
 
 def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):

@@ -19,6 +19,7 @@ What is measured, and against what:
     model runs, building its input tensors included (host_s / latency_s).
   - Paged vs contiguous: the engine's decode step against a contiguous-cache decode step on the same
     Model weights, same batch and context, measured alternately so both see the same noise.
+  - Asynchronous scheduling: the decode step with `async_scheduling` on against off, alternately.
 
 Targets are reported, never asserted: `met` says whether this run met each one.
 """
@@ -300,6 +301,22 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             higher_is_better=False,
         )
 
+    with console.status("bench: async scheduling") if console.is_terminal else nullcontext():
+        from kvchaos.harness.bench.async_step import bench_async_step
+
+        ast = bench_async_step(device, p["b8_steps"], p["b8_warmup"])
+        m["async_scheduling_b8_ctx128"] = _metric(
+            "async scheduling on vs off, decode step B=8 ctx 128",
+            "ms/step",
+            ast["async_step_s"] * 1e3,
+            ast["sync_step_s"] * 1e3,
+            "the same engine, synchronous",
+            1.1,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
+
     with console.status("bench: harness overhead") if console.is_terminal else nullcontext():
         ov = bench_harness_overhead(p["overhead_repeats"], p["overhead_scenarios"], device)
         m["harness_checking_suite"] = _metric(
@@ -370,6 +387,7 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
         "checks": {
             "paged_vs_contiguous_max_abs_logit_err": pc["max_abs_logit_err"],
             "paged_vs_contiguous_first_token_agrees": pc["first_token_agrees"],
+            "async_scheduling_tokens_agree": ast["tokens_agree"],
             "contiguous_attention": "torch SDPA over [:t+1] of per-layer [B, T, Hkv, D] caches, "
             "read in place, with the paged path's GQA formulation (query group as queries)",
         },

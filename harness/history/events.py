@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict, Union, get_args, get_type_hints
 
+from kvchaos.engine.inflight import AsyncFence, AsyncFreed, AsyncLanded, AsyncMixed, AsyncStep
+
 Phase = Literal["waiting", "prefill", "decode", "preempted"]
 EndReason = Literal["done", "max_steps", "interrupted", "error"]
 FaultKind = Literal["armed", "trigger", "fired"]
@@ -144,9 +146,22 @@ class Engine(TypedDict):
     e: Literal["engine"]
     step: int
     # cow (late_ranks: ranks whose copies are in flight) | cow_landed (rank, copies) |
-    # staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption
+    # staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption;
+    # with [engine] async_scheduling: async_step | async_fence | async_freed | async_landed |
+    # async_mixed
     kind: str
-    data: dict[str, Any]  # a hit: req, known, answered, used, capped, blocks
+    data: dict[str, Any]  # a hit: req, known, answered, used, capped, blocks; ENGINE_DATA's
+
+
+# the data of engine events typed where the engine builds them (asynchronous scheduling: what is
+# in flight, a release that waited for it, one that did not, and its writes landing late)
+ENGINE_DATA: dict[str, type] = {
+    "async_step": AsyncStep,
+    "async_fence": AsyncFence,
+    "async_freed": AsyncFreed,
+    "async_landed": AsyncLanded,
+    "async_mixed": AsyncMixed,
+}
 
 
 class Fault(TypedDict):

@@ -218,6 +218,7 @@ class RankRecords:
         self.records = {0: KVRecord(num_blocks, block_size)}
         self.pending: dict[int, Batch] = {}
         self.hits: dict[str, set[int]] = {}  # req -> the blocks of its last cache hit
+        self.late: list[tuple[int, list]] = []  # (rank, writes) landing after the step's batch
 
     def on_batch(self, rank: int, reads: list, writes: list) -> None:
         self.pending[rank] = (reads, writes)
@@ -238,6 +239,25 @@ class RankRecords:
         """A rank's late copy-on-write lands."""
         self.records[rank].copy(pairs)
 
+    def landed(self, req: str, writes, step: int, tokens_of) -> None:
+        """Writes of an earlier step landing now ([rank, pos, token, slot], asynchronous
+        scheduling): after this step's batch when one is reported (its kernels ran first)."""
+        by: dict[int, list] = {}
+        for rank, pos, token, slot in writes:
+            by.setdefault(rank, []).append((req, pos, token, slot))
+        self.late += sorted(by.items())
+        if not self.pending:
+            self._land(step, tokens_of)
+
+    def _land(self, step: int, tokens_of) -> None:
+        by: dict[int, list] = {}
+        for rank, writes in self.late:
+            by.setdefault(rank, []).extend(writes)
+        self.late, ids = [], self.ids
+        for r, rec in sorted(self.records.items()):  # a rank sharing rank 0's table: rank 0's
+            chain = lambda s, p: ids.upto(s, tokens_of(s), p + 1)  # noqa: E731
+            rec.write_all(by.get(r, by.get(0, [])), step, ids.chains, chain)
+
     def hit(self, req: str, blocks) -> None:
         self.hits[req] = set(blocks)
 
@@ -252,6 +272,8 @@ class RankRecords:
         """Apply the step's batches; the failed reads, each with its rank and via_hit."""
         pending = self._split()
         if 0 not in pending:
+            if self.late:
+                self._land(step, tokens_of)
             return []
         ids, chains, out = self.ids, self.ids.chains, []
         for r, rec in sorted(self.records.items()):
@@ -265,6 +287,8 @@ class RankRecords:
                 for f in rec.read(seq, chains[seq], blocks, n, step):
                     f["rank"], f["via_hit"] = r, f["block"] in self.hits.get(seq, ())
                     out.append(f)
+        if self.late:
+            self._land(step, tokens_of)
         return out
 
     def abort(self, step: int) -> None:

@@ -130,6 +130,24 @@ class LiveRun:
                     }
                 )
 
+    def _check_landed(self, step: int) -> None:
+        """Asynchronous scheduling: in-flight writes of a released sequence landed in this step
+        (or before it, between steps); the blocks must still be its own by the snapshot."""
+        landed, self.engine.inflight.landed = self.engine.inflight.landed, []
+        if self.last_snap[0] != step:
+            self.snapshot(step)
+        snap_step, snap = self.last_snap
+        if snap_step != step:  # the manager's snapshot failed its own shape: a finding already
+            return
+        free, held = set(snap.free), snap.seq_blocks
+        for x in landed:
+            owned = held.get(x["req"], ())
+            stray = sorted(b for b in x["blocks"] if b not in owned or b in free)
+            ranks = sorted({w[0] for w in x["writes"]})
+            if stray:
+                ev = {"step": step, "req": x["req"], "blocks": stray, "owned": sorted(set(owned))}
+                self.h.append({"e": "foreign_write", **ev, "ranks": ranks})
+
     def _check_slots(self, step: int, snap) -> None:
         """Positions written with no slot reserved for them: past the blocks the snapshot of this
         step lists for the sequence ("past_blocks"), or through an unused (-1) entry of a rank's
@@ -212,6 +230,11 @@ class LiveRun:
                 self.kv.copy(data["copies"], data.get("late_ranks", ()))
             elif kind == "cow_landed":
                 self.kv.copy_on(data["rank"], data["copies"])
+            elif kind == "async_landed":
+                tokens = self.engine.seqs
+                self.kv.landed(
+                    data["req"], data["writes"], self.engine.step_count, lambda q: tokens[q].tokens
+                )
             elif kind == "hit":
                 self.kv.hit(data["req"], data["blocks"])
                 tokens = self.engine.seqs[data["req"]].tokens
@@ -379,6 +402,8 @@ class LiveRun:
                 self._check_reads(st.step)
             if self.observe and out.stats.decode_tokens + out.stats.prefill_tokens:
                 self._check_writes(st.step)
+            if self.observe and e.inflight is not None and e.inflight.landed:
+                self._check_landed(st.step)
             for f in self.faults:
                 f.after_step(e, st.step, out)
             if not self.observe:

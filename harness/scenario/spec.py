@@ -139,7 +139,12 @@ class Workload(_Strict):
 
 class FaultSpec(_Strict):
     name: Literal[
-        "table_overflow", "refcount_leak", "staging_stall", "ordering_race", "prefix_cache"
+        "table_overflow",
+        "refcount_leak",
+        "staging_stall",
+        "ordering_race",
+        "prefix_cache",
+        "async_free",
     ]
     defect: bool = True  # plant the defect, or only pull the trigger
     params: dict = {}

@@ -87,6 +87,7 @@ SPACE = {
             "pairs": (1, 2),
             "pressure_tokens": [0],
         },
+        "async_free": {"variant": ["finish", "abort", "preempt", "staging"], "cancels": (2, 6)},
     },
     # the table_overflow variant: its default (unchecked) this share of the time
     "table_overflow_default_share": 0.4,
@@ -109,11 +110,12 @@ SPACE = {
         "staging_stall": 20,
         "ordering_race": 2,
         "prefix_cache": 2,
+        "async_free": 2,
     },
 }
 # Failure modes added after the soak's first draws take their own random stream: every seed's
 # draws for the others stay what they were.
-OWN_STREAM = ("prefix_cache",)
+OWN_STREAM = ("prefix_cache", "async_free")
 # Params added after a failure mode's first draws: each on a stream of its own, drawn after the
 # others (every seed's draws of the rest stay what they were)
 OWN_STREAM_PARAMS = {"table_overflow": ("variant",)}
@@ -212,6 +214,9 @@ def generate_scenario(seed: int) -> dict:
         _fit_leak_variant(engine, leak)
     if cache.get("prefix_caching") and "cancel" in workload:
         _prefix_shapes(workload, random.Random(f"{seed}/soak/shapes"))
+    if "async_free" in names:
+        fault = next(f for f in faults if f["name"] == "async_free")
+        _fit_async_free(engine, workload, fault, "staging_stall" in names)
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         params = {f["name"]: f["params"] for f in faults}
@@ -349,6 +354,19 @@ def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
         workload["fork_groups"] = max(workload["fork_groups"], workload["num_requests"])
         out = workload["output_len"]
         out["min"] = max(out["min"], out["max"] // 2)
+
+
+def _fit_async_free(engine: dict, workload: dict, fault: dict, stall: bool) -> None:
+    """async_free plants in asynchronous scheduling; preempt needs a pool the requests outgrow,
+    which a stall's few long requests never do, staging one rank (else it frees on finish)."""
+    engine["async_scheduling"] = True
+    v = fault["params"]["variant"]
+    if (v in ("preempt", "staging") and stall) or (v == "staging" and engine["tp_size"] > 1):
+        fault["params"]["variant"] = "finish"
+    elif fault["params"]["variant"] == "preempt":
+        cache = engine["cache"]
+        cache["num_blocks"] = 2 * cache["max_blocks_per_seq"]
+        workload["num_requests"] = max(workload["num_requests"], 8)
 
 
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
