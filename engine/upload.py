@@ -76,12 +76,12 @@ class TableUpload:
             staged, self.table_version, self.step_count, seams.rank_delay, seams.rank_receive
         )
         self.ranks.deliver(self.step_count)
-        if self.inflight is not None:
-            self._staged_in_flight(staged)
         if seams.rank_sync:
             self.counters["rank_sync_waits"] += self.ranks.sync()
         if seams.rank_verify:  # re-sent whole: counted with the waits
             self.counters["rank_sync_waits"] += self.ranks.verify(staged, self.table_version)
+        if self.inflight is not None:  # after the ranks' checks: the staged source is what mixed
+            self._staged_in_flight(staged)
         self._land_copies()
         if len(self.ranks.ranks) > 1:  # what each rank computes with vs what the scheduler uploaded
             self._crcs = [r.crc() for r in self.ranks.ranks]
