@@ -25,9 +25,12 @@ The events of the history (engine events, built by keyword here): `async_step`, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 from typing_extensions import TypedDict
+
+if TYPE_CHECKING:  # the harness's events import this module: a command starts without torch
+    import torch
 
 
 class AsyncStep(TypedDict):

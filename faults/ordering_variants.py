@@ -19,7 +19,10 @@ detect runs alike; the defect is one seam off (its remediation):
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the fault registry is imported by commands that start without torch
+    import torch
 
 VARIANTS = ("lagged", "torn", "reordered", "cow_lag", "scrambled", "stale_unread")
 DEFAULT = "lagged"

@@ -13,7 +13,7 @@ import pytest
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.engine import Engine
 from kvchaos.engine.protocols import KVManager
-from kvchaos.harness.check.checkers import run_checkers
+from kvchaos.harness.check.evaluate import evaluate
 from kvchaos.harness.history.log import UNSTABLE_KEYS, deterministic_digest, read_history
 from kvchaos.harness.report.render import publish
 from kvchaos.harness.run.runner import run_scenario
@@ -94,7 +94,8 @@ def test_same_scenario_and_seed_give_the_same_history(tiny, tmp_path):
     # the digest is that of the stored history: a run on disk can be verified and re-checked
     events = read_history(a.run_dir / "history.jsonl")
     assert deterministic_digest(events) == a.results["history_digest"]
-    rechecked = json.loads(json.dumps([c.to_dict() for c in run_checkers(events)]))
+    checks, _ = evaluate(tiny, events, results_of(a)["fault_verify"], None)  # as analyze does
+    rechecked = json.loads(json.dumps([c.to_dict() for c in checks]))
     assert rechecked == results_of(a)["checkers"]
 
 

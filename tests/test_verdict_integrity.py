@@ -79,7 +79,7 @@ def test_the_race_fires_from_what_the_engine_did_not_from_the_checkers_crc(monke
     from kvchaos.engine import ranks
 
     monkeypatch.setattr(ranks.VirtualRank, "crc", lambda self: 0)
-    monkeypatch.setattr("kvchaos.engine.engine.zlib.crc32", lambda b: 0)
+    monkeypatch.setattr("kvchaos.engine.upload.zlib.crc32", lambda b: 0)
     sc = edited("ordering-race-detect", lambda d: d["expect"].update(checkers=["cross_rank"]))
     r = run(sc, 0)
     assert r.results["fault_verify"]["ordering_race"]["fired"]
