@@ -93,6 +93,7 @@ SOURCES = {
     "list": [],
     "conformance": ["kvchaos.harness.conformance.suite"],
     "clean": ["kvchaos.harness.tools.clean"],
+    "ledger": [],
 }
 
 
