@@ -359,7 +359,7 @@ class Soak(Tally):
             "node": None,
         }
         self._keep(job, got, self._record(job, got, 0.0))
-        self.stopped = f"the block manager failed the check before any run: {r.summary}"
+        self.stopped = f"{r.summary}; the soak ended there, nothing else ran"
         return self._finish(progress)
 
     def _soak_row(self, code: int | None) -> None:

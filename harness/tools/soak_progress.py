@@ -88,6 +88,7 @@ class Progress:
         self.proc = psutil.Process()
         self._last_rss = 0.0
         self._last_log = self._last_summary = 0.0
+        self._wrote = False
         if not quiet and self.console.is_terminal:
             from rich.live import Live
 
@@ -114,8 +115,8 @@ class Progress:
         if self.log and now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             print(log_line(self.soak, t), file=sys.stderr, flush=True)
-        if now - self._last_summary >= SUMMARY_EVERY_S:
-            self._last_summary = now
+        if now - self._last_summary >= SUMMARY_EVERY_S or (self.soak.runs and not self._wrote):
+            self._last_summary, self._wrote = now, True  # after the first run, then each minute
             self.soak.write_summary(final=False)
 
     def stop(self) -> None:
