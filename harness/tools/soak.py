@@ -228,7 +228,9 @@ class Soak(Tally):
             per_run_timeout=self.args.per_run_timeout,
             deadline=time.time() + self.budget,
             marker=marker,
-            env={"KVCHAOS_PLOTS": self.args.plots},
+            # a node's environment is its own: the driver's KVCHAOS_* travel with each task
+            env={k: v for k, v in os.environ.items() if k.startswith("KVCHAOS_")}
+            | {"KVCHAOS_PLOTS": self.args.plots},
         )
 
     def executor_line(self) -> str:
@@ -389,7 +391,7 @@ class Soak(Tally):
             self.executor.shutdown()
         if self.lost:  # folders a lost worker left: no ledger row names them
             for d in (self.dir / "runs").iterdir():
-                if d.is_dir() and str(d) not in self.keeper.kept:
+                if d.is_dir() and not d.is_symlink() and str(d) not in self.keeper.kept:
                     shutil.rmtree(d, ignore_errors=True)
         progress.stop()
         code = self.exit_code()

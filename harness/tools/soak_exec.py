@@ -32,7 +32,7 @@ class Context:
     per_run_timeout: float
     deadline: float  # time.time() at which the soak's budget ends
     marker: str = ""  # the token in runs_dir/MARKER: a node that reads it shares runs_dir
-    env: dict = field(default_factory=dict)  # set in the run's worker (KVCHAOS_PLOTS)
+    env: dict = field(default_factory=dict)  # set in the run's worker: the driver's KVCHAOS_*
 
 
 def make_job(k: int, seed_start: int, shard, fit: Fit | None, hang_every: int | None) -> dict:
