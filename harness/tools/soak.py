@@ -118,7 +118,9 @@ class Soak(Tally):
             require_ray()  # one line saying how to install it, before anything is made
         # each worker gets this: a matplotlib figure per incident run would triple a soak's cost
         os.environ["KVCHAOS_PLOTS"] = args.plots
-        self.device = resolve_device(args.device)
+        # a Ray driver without a GPU may drive GPU nodes: the nodes resolve cuda
+        ray_gpu = args.executor == "ray" and args.device == "cuda"
+        self.device = "cuda" if ray_gpu else resolve_device(args.device)
         self.fit, self.door = self._door(args.block_manager)
         self.commit = git_commit()
         make_report_dir(report_dir)
@@ -239,10 +241,6 @@ class Soak(Tally):
     # -- one run ----------------------------------------------------------------------------
     def _job(self, k: int) -> dict:
         return make_job(k, self.seed_start, self.shard, self.fit, self.args.inject_hang_every)
-
-    def _limit(self, end: float) -> tuple[float, bool]:  # (limit, is it the run's own)
-        left = max(end - time.monotonic(), 0.01)  # 0 would be no limit
-        return min(self.args.per_run_timeout, left), self.args.per_run_timeout <= left
 
     def _run(self, job: dict, timeout_s: float, tick) -> dict:
         return run_one(job, self.ctx, timeout_s, tick)
@@ -382,7 +380,7 @@ class Soak(Tally):
             folder=str(self.dir),
             block_manager=a.block_manager or "reference",
             executor=a.executor,
-            workers=a.workers or 0,
+            workers=self.executor.workers if self.executor else a.workers or 1,
             args_json=json.dumps(own),
         )
 

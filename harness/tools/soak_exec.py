@@ -107,6 +107,8 @@ def replay_one(run_dir: str, device: str, deadline: float, per_run_timeout: floa
 def attempt(job: dict, ctx: Context, run=None, tick=None) -> dict:
     """The job's run (run(job, timeout_s, tick): run_one's shape) and, when its replay is due
     and it can be compared, its replay. "cut": the budget ended it, not its own limit."""
+    if time.time() >= ctx.deadline:  # queued past the budget's end (a busy cluster): not run
+        return {"cut": True, "run_dir": None, "ended": "timeout"}
     timeout_s, own = limit(ctx)
     r = (run or (lambda j, t, w: run_one(j, ctx, t, w)))(job, timeout_s, tick)
     r["cut"] = r["ended"] == "timeout" and not own
