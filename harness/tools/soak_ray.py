@@ -47,7 +47,10 @@ def fleet_task(job: dict, ctx: Context) -> dict:
     """On a node: the job's attempt; its run folder as bytes unless the node shares runs/."""
     here = shared(ctx.runs_dir, ctx.marker)
     local = ctx if here else dataclasses.replace(ctx, runs_dir=tempfile.mkdtemp(prefix="kvchaos-"))
+    from kvchaos.harness.run import isolate
+
     os.environ.update(ctx.env)  # the run's worker takes this process's environment
+    isolate.start_server(ctx.block_manager)  # once a Ray worker: a shipped adapter imported there
     t0 = time.monotonic()
     try:
         r = attempt(job, local)
