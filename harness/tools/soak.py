@@ -385,6 +385,7 @@ class Soak(Tally):
         )
 
     def _finish(self, progress) -> int:
+        self.elapsed = time.monotonic() - self.t0  # the soak's time: its runs, not what follows
         if self.executor is not None:
             self.executor.shutdown()
         if self.lost:  # folders a lost worker left: no ledger row names them
@@ -419,7 +420,8 @@ class Soak(Tally):
 
     def write_summary(self, final: bool) -> dict:
         """soak.json and soak-summary.md (and, at the end, .html); before the end, as it stands."""
-        summary = summary_of(self, time.monotonic() - self.t0, self.exit_code())
+        elapsed = self.elapsed if final else time.monotonic() - self.t0
+        summary = summary_of(self, elapsed, self.exit_code())
         summary["in_progress"] = not final
         for _ in range(2 if final else 1):  # the second pass counts the summary itself in the disk
             tmp = self.dir / ".soak-summary.md.tmp"  # a reader never sees half a summary
