@@ -294,7 +294,12 @@ def render_md(s: dict, brief: bool = False) -> str:
         f"- result: **exit {s['exit_code']}** ({s['exit_meaning']})",
         f"- {s['runs']} runs in {duration_text(s['elapsed_s'])} of a "
         f"{duration_text(s['budget_s'])} budget on {s['device']}, commit {s['commit']}, "
-        f"shard {s['shard'][0]}/{s['shard'][1]}, seeds {s['first_seed']}..{s['last_seed']}"
+        f"shard {s['shard'][0]}/{s['shard'][1]}, "
+        + (
+            f"seeds {s['first_seed']}..{s['last_seed']}"
+            if s["first_seed"] is not None
+            else "no seed"
+        )
         + (
             f" ({s['cut_at_budget_end']} run stopped at the budget's end, not counted)"
             if s["cut_at_budget_end"]
