@@ -33,6 +33,10 @@ TOOLS = {
         "re-run the checkers on a stored run and rewrite its reports",
     ),
     "soak": ("kvchaos.harness.tools.soak", "run randomised scenarios until a time budget is spent"),
+    "ledger": (
+        "kvchaos.harness.tools.soak_fleet",
+        "merge soak ledgers (a fleet's shards) into one",
+    ),
     "replay": ("kvchaos.harness.tools.replay", "re-run a stored run and compare its history"),
     "explain": (
         "kvchaos.harness.tools.explain",
@@ -88,6 +92,7 @@ EXITS = {
         (13, "ERROR", ""),
         (15, "disk cap", "stopped at --max-disk before the budget was spent"),
     ],
+    "ledger": [(0, "merged", "every run of the ledgers in OUT, each once")],
     "gpu-check": [
         (0, "ok", "every stage ok"),
         (1, "failed", "a stage failed, errored or timed out"),

@@ -94,6 +94,7 @@ SOURCES = {
     "conformance": ["kvchaos.harness.conformance.suite"],
     "clean": ["kvchaos.harness.tools.clean"],
     "advise": ["kvchaos.harness.tools.advise"],
+    "ledger": [],
 }
 
 

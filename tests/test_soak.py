@@ -32,8 +32,8 @@ from kvchaos.harness.scenario.spec import parse_scenario
 from kvchaos.harness.tools.fingerprint import fingerprints
 from kvchaos.harness.tools.ledger import main as ledger_main
 from kvchaos.harness.tools.ledger import parse_keep, parse_size
-from kvchaos.harness.tools.soak import Soak, add_arguments, parse_budget, parse_shard, shard_seed
-from kvchaos.harness.tools.soak_space import SPACE, generate_scenario
+from kvchaos.harness.tools.soak import Soak, add_arguments, parse_budget
+from kvchaos.harness.tools.soak_space import SPACE, generate_scenario, parse_shard, shard_seed
 from kvchaos.harness.tools.soak_summary import EXIT_DISK_CAP, EXIT_NONDETERMINISM
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -290,3 +290,31 @@ def test_each_planted_fault_is_judged_against_its_own_window():
     assert v.verdict == PASS and v.time_to_detect == {"refcount_leak": 1, "staging_stall": 15}
     v = decide(sc, checks(("block_accounting", 15), stall), verify, None)
     assert v.verdict == MISSED and "refcount_leak (first known after 5 steps)" in v.summary
+
+
+RACE = scenario("detect", [("ordering_race", True)], ["cross_rank", "oracle_divergence"])
+STALE_AT_9 = {
+    "ordering_race": {
+        "fired": True,
+        "first_step": 9,
+        "stale": [{"step": 9, "ranks": [1], "requests": ["r7"]}],
+        "touched": {"blocks": [0]},
+    }
+}
+
+
+def test_a_divergence_fed_by_a_wrong_read_the_fault_explains_is_its_consequence():
+    """Soak seed 595: r7 wrote block 0 through rank 1's stale table at step 9; r10, not live then,
+    hit block 0 at step 15 and diverged. Its wrong read is the race's, so its divergence is too;
+    with no such read, or one only after it diverged, the divergence stays unexplained."""
+    stale = ("cross_rank", 9, "stale_table", {"ranks": [1]})
+    read = ("kv_reads", 15, "wrong_read", {"req": "r10", "rank": 1, "block": 0, "writer": "r7"})
+    diverged = ("oracle_divergence", 15, "divergence", {"req": "r10"})
+    v = decide(RACE, checks(stale, read, diverged), STALE_AT_9, None)
+    assert v.verdict == PASS, v.summary
+    assert ("oracle_divergence", 15, "ordering_race", "consequence") in v.credits
+    v = decide(RACE, checks(stale, diverged), STALE_AT_9, None)
+    assert v.verdict == FAIL and "oracle_divergence at step 15" in v.summary
+    late = ("kv_reads", 16, "wrong_read", {"req": "r10", "rank": 1, "block": 0, "writer": "r7"})
+    v = decide(RACE, checks(stale, late, diverged), STALE_AT_9, None)
+    assert v.verdict == FAIL and "oracle_divergence at step 15" in v.summary

@@ -74,11 +74,21 @@ def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
     from kvchaos.faults import REGISTRY
 
     fired = [f.name for f in sc.faults if f.defect and verify.get(f.name, {}).get("fired")]
-    out = []
-    for f in findings:
-        d = _as_dict(f)
+    out, reads = [], {}
+    dicts = [_as_dict(f) for f in findings]
+    for d in dicts:
         hows = [(n, REGISTRY[n].explains(d, verify[n])) for n in fired]
         out.append(sorted(((n, h) for n, h in hows if h), key=lambda x: x[1] != "cause"))
+        if d["checker"] == "kv_reads" and out[-1]:
+            reads.setdefault((d.get("evidence") or {}).get("req"), []).append((d["step"], out[-1]))
+    # a divergence is the output of what its request read: one a fault leaves unexplained is
+    # still its consequence when that request's own wrong read, at or before it, is the fault's
+    # (a prefix hit on a block the fault corrupted, by a request that was not live then)
+    for d, e in zip(dicts, out):
+        if d["checker"] == "oracle_divergence" and not e:
+            req = (d.get("evidence") or {}).get("req")
+            names = {n for step, ex in reads.get(req, ()) if step <= d["step"] for n, _ in ex}
+            e.extend((n, "consequence") for n in sorted(names))
     return out
 
 

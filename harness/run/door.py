@@ -12,6 +12,7 @@ import datetime as dt
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvchaos.harness.check.evaluate import evaluate
@@ -178,11 +179,28 @@ def validate_isolated(
     timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
     import_timeout_s: float = IMPORT_TIMEOUT_S,
 ) -> tuple[int, ...] | None:
+    """door_check(spec).block_sizes: the block sizes the manager declares (None: any)."""
+    return door_check(spec, timeout_s, import_timeout_s).block_sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoorPass:
+    """What a manager that passed the check declares: block sizes (None: any), capabilities."""
+
+    block_sizes: tuple[int, ...] | None
+    capabilities: frozenset[str]
+
+
+def door_check(
+    spec: str,
+    timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
+    import_timeout_s: float = IMPORT_TIMEOUT_S,
+) -> DoorPass:
     """user_code.validate_manager(spec) in a fresh worker: a manager that hangs or ends the
     process in its smoke sequence is bad input (ValueError, one line), not a hung or dead
     kvchaos; one whose smoke call raises or answers wrongly, SmokeFailure (its FAIL run is the
     caller's: harness/run/door.py). timeout_s bounds the check once the manager's module is
-    imported; the import has its own bound. Returns the block sizes it declares (None: any)."""
+    imported; the import has its own bound. Returns what it declares."""
     from kvchaos.harness.run.user_code import SmokeFailure
 
     ctx = start_server()
@@ -203,7 +221,10 @@ def validate_isolated(
             raise SmokeFailure.from_dict(value)
         if kind == "bad":
             raise ValueError(value)
-        return None if value is None else tuple(value)
+        sizes, caps = value
+        return DoorPass(
+            block_sizes=None if sizes is None else tuple(sizes), capabilities=frozenset(caps)
+        )
     finally:
         if proc.is_alive():
             proc.kill()
@@ -224,7 +245,7 @@ def _heard(conn, proc, timeout_s: float, what: str, flag: str = ""):
 
 
 def _validate(spec: str, cwd: str, env: dict, conn) -> None:
-    from kvchaos.engine.protocols import declared_block_sizes
+    from kvchaos.engine.protocols import capabilities, declared_block_sizes
     from kvchaos.harness.run.user_code import SmokeFailure, load_object, validate_manager
 
     os.chdir(cwd)  # where the caller runs: a module there is importable, as in a run
@@ -236,7 +257,8 @@ def _validate(spec: str, cwd: str, env: dict, conn) -> None:
     try:
         load_object(spec)  # the import, first: the check's clock starts after it
         conn.send(("loaded", None))
-        conn.send(("ok", declared_block_sizes(validate_manager(spec))))
+        bm = validate_manager(spec)
+        conn.send(("ok", (declared_block_sizes(bm), sorted(capabilities(bm)))))
     except SmokeFailure as e:
         conn.send(("failed", e.to_dict()))
     except ValueError as e:

@@ -25,6 +25,7 @@ import shutil
 import signal
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ PRELOAD = ["kvchaos.harness.run.isolate_preload"]  # what the fork server import
 PAGE_SIZE = 4096
 _HEAD = struct.Struct("<Id")  # the call's length in bytes (0: none in progress), its start time
 clock = time.monotonic  # the parent's clock for a run's time limit (tests drive it by events)
+_STARTING = threading.Lock()  # runs started from several threads (a soak's --workers) start in turn
 
 
 class CallPage:
@@ -173,16 +175,17 @@ def start_server(block_manager: str | None = None):
 
     ctx = mp.get_context("forkserver")
     adapter = [ALIASES[block_manager].partition(":")[0]] if block_manager in ALIASES else []
-    ctx.set_forkserver_preload(PRELOAD + adapter)  # one that fails to import is skipped there
-    before = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = HASH_SEED  # the server's interpreter, and so every worker's
-    try:
-        forkserver.ensure_running()  # a no-op when it runs; restarts one that died
-    finally:
-        if before is None:
-            os.environ.pop("PYTHONHASHSEED")
-        else:
-            os.environ["PYTHONHASHSEED"] = before
+    with _STARTING:
+        ctx.set_forkserver_preload(PRELOAD + adapter)  # one that fails to import is skipped there
+        before = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = HASH_SEED  # the server's interpreter, and so every worker's
+        try:
+            forkserver.ensure_running()  # a no-op when it runs; restarts one that died
+        finally:
+            if before is None:
+                os.environ.pop("PYTHONHASHSEED")
+            else:
+                os.environ["PYTHONHASHSEED"] = before
     return ctx
 
 
@@ -261,7 +264,7 @@ def run_isolated(
     t0 = time.perf_counter()
     ours, theirs = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_worker, args=(job, theirs), name=f"kvchaos-run-{sc.name}-s{seed}")
-    with main_not_rerun():
+    with _STARTING, main_not_rerun():
         proc.start()
     theirs.close()
     try:

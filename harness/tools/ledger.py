@@ -21,6 +21,8 @@ from pathlib import Path
 
 from kvchaos.harness.scenario.options import PATH
 
+REFERENCE_NAME = "reference"  # a run under the reference manager (no --block-manager)
+
 
 class Ledger:
     """One row per run, kept across nights: commit, scenario (name + JSON), seed, verdict,
@@ -39,13 +41,56 @@ class Ledger:
         folder TEXT);
     """
 
+    # Columns added since the first ledgers: a ledger without them gets them, with these defaults
+    ADDED = {
+        "runs": {
+            "block_manager": f"TEXT NOT NULL DEFAULT '{REFERENCE_NAME}'",  # the spec it ran under
+            "summary": "TEXT",  # the verdict's summary line
+            "fp_steps": "TEXT",  # JSON: the step each of `fingerprints` showed at
+            "k": "INTEGER",  # the run's index in its soak (--resume fills the gaps)
+            "node": "TEXT",  # the machine it ran on
+            "attempts": "INTEGER NOT NULL DEFAULT 1",  # 2: its first worker or node was lost
+            "resubmitted": "TEXT",  # why
+        },
+        "soaks": {
+            "block_manager": f"TEXT NOT NULL DEFAULT '{REFERENCE_NAME}'",
+            "executor": "TEXT NOT NULL DEFAULT 'local'",
+            "workers": "INTEGER NOT NULL DEFAULT 1",
+            "args_json": "TEXT",  # what --resume continues with
+        },
+    }
+
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(path)
             self.db.executescript(self.SCHEMA)
+            self._migrate()
         except sqlite3.DatabaseError as e:
             raise ValueError(f"--ledger {path}: not a usable SQLite ledger: {e}") from None
+
+    def _migrate(self) -> None:
+        for table, cols in self.ADDED.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, decl in cols.items():
+                if name not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+        self.db.commit()
+
+    def rows(self, where: str = "", args: tuple = ()) -> list[dict]:
+        """Runs as dicts, in id order."""
+        cur = self.db.execute(f"SELECT * FROM runs {where} ORDER BY id", args)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r)) for r in cur]
+
+    def soak_row(self, soak_id: str | None = None) -> dict | None:
+        """A soak's row (None: the one started last), or None."""
+        if soak_id:
+            cur = self.db.execute("SELECT * FROM soaks WHERE id = ?", (soak_id,))
+        else:
+            cur = self.db.execute("SELECT * FROM soaks ORDER BY started DESC, rowid DESC LIMIT 1")
+        got = cur.fetchone()
+        return dict(zip([d[0] for d in cur.description], got)) if got else None
 
     def next_seed(self, n: int) -> int:
         top = self.db.execute("SELECT MAX(seed) FROM runs").fetchone()[0]
@@ -220,6 +265,17 @@ class Keeper:
         if self.passing_closed_at is None and self._margin() > self.PASSING_SHARE * self.cap:
             self.passing_closed_at = self.runs
         return fate
+
+    def adopt(self, run_dir: str, row: int, why: str, info: dict) -> None:
+        """A folder the soak this one resumes kept: kept still (a passing one in the sample)."""
+        size = du_bytes(run_dir)
+        self.kept[run_dir] = {"size": size, "row": row, "why": why, **info}
+        self.runs_bytes += size
+        self.largest = max(self.largest, size)
+        self.runs += 1
+        if why == "passing":
+            self.sample.append(run_dir)
+            self.seen_passing += 1
 
     def release(self, run_dir: str, only_cited: bool = False) -> None:
         """Delete a kept run (only_cited: only if it was kept for being cited, a passing run)."""

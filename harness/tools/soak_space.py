@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
 # The declared ranges every soak scenario is drawn from: (lo, hi) is an inclusive range (ints
 # stay ints), a list is a choice, {"subset": [...], "min": k} a random subset of at least k.
@@ -133,14 +134,54 @@ def _draw(rng: random.Random, spec):
     return spec
 
 
-def generate_scenario(seed: int) -> dict:
-    """The scenario dict (the TOML file's shape) that this seed stands for."""
+@dataclass(frozen=True, kw_only=True)
+class Fit:
+    """A block manager other than the reference, as its check before any run found it: the mix
+    leaves out what it declares it cannot do (block sizes, capabilities) and the failure modes
+    that plant in the reference manager only. Every seed's other draws stay as they were."""
+
+    spec: str
+    block_sizes: tuple[int, ...] | None = None  # None: any
+    capabilities: frozenset[str] = frozenset()
+
+    def faults_left_out(self) -> list[str]:
+        from kvchaos.faults import REGISTRY
+
+        return [n for n, f in REGISTRY.items() if not f.any_manager]
+
+    def block_size_choices(self) -> list[int]:
+        sizes = SPACE["engine"]["block_size"]
+        if self.block_sizes is None:
+            return sizes
+        return [b for b in sizes if b in self.block_sizes] or [min(self.block_sizes)]
+
+    def left_out(self) -> list[str]:
+        """What the mix leaves out for this manager, one line each (the summary says them)."""
+        out = [
+            f"fault {n}: it plants in the reference manager only" for n in self.faults_left_out()
+        ]
+        if self.block_size_choices() != SPACE["engine"]["block_size"]:
+            out.append(
+                f"block sizes other than {', '.join(map(str, self.block_size_choices()))}: "
+                f"it supports {', '.join(map(str, self.block_sizes or ()))} (its block_sizes)"
+            )
+        if "fork" not in self.capabilities:
+            out.append("fork groups: it does not declare the fork capability")
+        return out
+
+
+def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
+    """The scenario dict (the TOML file's shape) that this seed stands for (fit: under a block
+    manager other than the reference, what it can be asked; None: the reference)."""
     from kvchaos.faults import REGISTRY
 
     rng = random.Random(f"{seed}/soak")
     e, w = SPACE["engine"], SPACE["workload"]
     faults = []
+    skip = fit.faults_left_out() if fit else []
     for name in REGISTRY:
+        if name in skip:
+            continue
         r = random.Random(f"{seed}/soak/{name}") if name in OWN_STREAM else rng
         if r.random() < SPACE["fault_probability"] and not _excluded(name, faults):
             own = OWN_STREAM_PARAMS.get(name, ())
@@ -164,7 +205,7 @@ def generate_scenario(seed: int) -> dict:
         "max_prefill_tokens": _draw(rng, e["max_prefill_tokens"]),
         "tp_size": 2 if "ordering_race" in names else _draw(rng, e["tp_size"]),
         "cache": {
-            "block_size": _draw(rng, e["block_size"]),
+            "block_size": _draw(rng, fit.block_size_choices() if fit else e["block_size"]),
             "max_blocks_per_seq": width,
             "max_num_seqs": _draw(rng, e["max_num_seqs"]),
             "num_blocks": width * _draw(rng, e["pool_rows"]),
@@ -196,7 +237,7 @@ def generate_scenario(seed: int) -> dict:
             "arrival_rate": _draw(rng, w["arrival_rate"]),
             "prompt_len": {"dist": "uniform", "min": 1, "max": prompt},
             "output_len": {"dist": "uniform", "min": 1, "max": out},
-            "fork_groups": _draw(rng, w["fork_groups"]),
+            "fork_groups": _draw(rng, w["fork_groups"]) * (not fit or "fork" in fit.capabilities),
             "cancel": {
                 "rate": _draw(rng, w["cancel_rate"]),
                 "phases": _draw(rng, w["cancel_phases"]),

@@ -1,5 +1,5 @@
-"""How a soak shows itself: the live display while it runs, the soak.json dict built from the soak
-at its end, and soak-summary.md / .html rendered from that dict (the HTML self-contained: its plot
+"""How a soak shows itself at its end (and, rewritten, as it goes): the soak.json dict built from
+the soak, and soak-summary.md / .html rendered from that dict (the HTML self-contained: its plot
 is a data: PNG; its links to the kept runs' reports are relative)."""
 
 from __future__ import annotations
@@ -73,47 +73,6 @@ def inconclusive_causes(summary: str) -> list[str]:
         if sep:
             return [f"{n.strip()} {cause}" for n in names.split(";")[0].split(",") if n.strip()]
     return [re.sub(r"\d+(\.\d+)?", "N", summary).strip() or "no reason given"]
-
-
-# -- the live display ------------------------------------------------------------------------
-def live_panel(soak, t: float):
-    """The live display's table: where the soak stands t s in."""
-    from rich.table import Table
-
-    tab = Table.grid(padding=(0, 2))
-    tab.add_column(style="bold")
-    tab.add_column()
-    colour = {PASS: "green", INCONCLUSIVE: "yellow"}
-    tab.add_row(
-        "elapsed",
-        f"{duration_text(t)} / {duration_text(soak.budget)}  "
-        f"({min(100, 100 * t / soak.budget):.0f}%)",
-    )
-    tab.add_row(
-        "runs",
-        f"{soak.runs}  (determinism replays {soak.replays}, mismatches {len(soak.nondet)})",
-    )
-    tab.add_row(
-        "verdicts",
-        "  ".join(f"[{colour.get(v, 'red')}]{v} {n}[/]" for v, n in sorted(soak.counts.items()))
-        or "-",
-    )
-    unexpected = sum(1 for fp in soak.incidents if fp[0] != "DETECTED")
-    tab.add_row("incidents", f"{len(soak.incidents)} fingerprints ({unexpected} unexpected)")
-    tab.add_row("steps/s", f"{soak.steps / t:.0f}" if t > 0 else "-")
-    k = soak.keeper
-    tab.add_row(
-        "disk",
-        f"{size_text(k.used())} of {size_text(k.cap)}, {len(k.kept)} runs kept "
-        f"({len(k.sample)} passing), {k.deleted} deleted"
-        + ("  [yellow]passing runs no longer kept[/]" if k.passing_closed_at else ""),
-    )
-    tab.add_row(
-        "RSS",
-        f"soak {soak.rss.get('end_mb', 0):.0f} MiB, "
-        f"worker {soak.rss.get('worker_end_mb', 0):.0f} MiB",
-    )
-    return tab
 
 
 # -- the soak.json dict ----------------------------------------------------------------------
@@ -219,6 +178,9 @@ def summary_of(soak, elapsed: float, code: int) -> dict:
     argv += ["--per-run-timeout", f"{a.per_run_timeout:g}", "--report-dir", str(a.report_dir)]
     argv += ["--keep", str(a.keep), "--max-disk", str(a.max_disk)]
     argv += ["--ledger", str(a.ledger)] if a.ledger else []
+    argv += ["--block-manager", a.block_manager] if a.block_manager else []
+    argv += ["--executor", a.executor] if a.executor != "local" else []
+    argv += ["--workers", str(a.workers)] if a.workers else []
     return {
         "soak": soak.id,
         "folder": str(folder),
@@ -263,6 +225,10 @@ def summary_of(soak, elapsed: float, code: int) -> dict:
         "command": shlex.join(argv),
         "ledger": str(soak.ledger_file),
         "injected_hang_every": a.inject_hang_every,
+        "block_manager": a.block_manager or "the reference",
+        "left_out": soak.fit.left_out() if soak.fit else [],
+        "executor": soak.executor_line(),
+        "resubmitted": soak.lost,
     }
 
 
@@ -321,13 +287,30 @@ def render_md(s: dict, brief: bool = False) -> str:
     out = [
         f"# kvchaos soak {s['soak']}",
         "",
+        *(
+            ["- **in progress**: rewritten as the soak goes, this is where it stood"]
+            * bool(s.get("in_progress"))
+        ),
         f"- result: **exit {s['exit_code']}** ({s['exit_meaning']})",
         f"- {s['runs']} runs in {duration_text(s['elapsed_s'])} of a "
         f"{duration_text(s['budget_s'])} budget on {s['device']}, commit {s['commit']}, "
-        f"shard {s['shard'][0]}/{s['shard'][1]}, seeds {s['first_seed']}..{s['last_seed']}"
+        f"shard {s['shard'][0]}/{s['shard'][1]}, "
+        + (
+            f"seeds {s['first_seed']}..{s['last_seed']}"
+            if s["first_seed"] is not None
+            else "no seed"
+        )
         + (
             f" ({s['cut_at_budget_end']} run stopped at the budget's end, not counted)"
             if s["cut_at_budget_end"]
+            else ""
+        ),
+        f"- block manager: {s.get('block_manager', 'the reference')}"
+        + (f"; left out of the mix: {'; '.join(s['left_out'])}" if s.get("left_out") else ""),
+        f"- runs on: {s.get('executor', 'local')}"
+        + (
+            f"; {s['resubmitted']} resubmitted once after their worker or node was lost"
+            if s.get("resubmitted")
             else ""
         ),
         "- verdicts: "
