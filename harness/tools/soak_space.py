@@ -386,7 +386,7 @@ def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
     from kvchaos.faults.ordering_variants import DEFAULT
 
     rng = random.Random(f"{seed}/soak/ordering_race/variant")
-    forks = "fork_groups" in workload
+    forks = bool(workload.get("fork_groups"))  # 0: none drawn, or a manager that cannot fork
     v = rng.choice([v for v in SPACE["ordering_race_variants"] if forks or v != "cow_lag"])
     if v == DEFAULT:
         return
