@@ -27,6 +27,8 @@ from __future__ import annotations
 from kvchaos.faults.plan import Action
 
 VARIANTS = ("any", "prefill", "decode", "shared", "preempted", "retry", "partial", "rate")
+# planted on the reference managers' own seams: not applicable under another manager
+REFERENCE_ONLY = ("preempted", "retry", "partial")
 ENGINE_PATH = ("any", "prefill", "decode", "shared", "rate")  # free_on_exit: any manager
 RATE_STRIDE = 20  # rate: one cancel in RATE_STRIDE leaks (about 5%)
 

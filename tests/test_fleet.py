@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvchaos.faults.leak_variants import REFERENCE_ONLY
 from kvchaos.harness.cli import main as cli_main
 from kvchaos.harness.tools import replay, soak_progress
 from kvchaos.harness.tools.ledger import Ledger
@@ -168,6 +169,7 @@ def test_progress_lines_off_a_terminal_and_a_summary_as_it_goes(tmp_path, monkey
 
 def test_the_mix_leaves_out_what_a_manager_cannot_do():
     fit = Fit(spec="m:M", block_sizes=(4, 16), capabilities=frozenset({"seq_tokens"}))
+    drawn = set()
     for seed in range(40):
         ref, got = generate_scenario(seed), generate_scenario(seed, fit)
         assert "prefix_cache" not in {f["name"] for f in got.get("faults", [])}
@@ -175,6 +177,10 @@ def test_the_mix_leaves_out_what_a_manager_cannot_do():
         assert got["workload"].get("fork_groups", 0) == 0
         same = {f["name"] for f in ref.get("faults", [])} - {"prefix_cache"}
         assert {f["name"] for f in got.get("faults", [])} == same  # the other draws as they were
+        for f in got.get("faults", []):  # the leak classes planted on the reference's own seams
+            if f["name"] == "refcount_leak":
+                drawn.add(f["params"].get("variant", "any"))
+    assert drawn and not drawn & set(REFERENCE_ONLY)
     assert (
         Fit(spec="m:M", capabilities=frozenset({"fork"})).block_size_choices()
         == (SPACE["engine"]["block_size"])
@@ -182,6 +188,7 @@ def test_the_mix_leaves_out_what_a_manager_cannot_do():
     said = fit.left_out()
     assert any("prefix_cache" in x for x in said) and any("fork" in x for x in said)
     assert any("block sizes other than 4" in x for x in said)
+    assert any("refcount_leak variants preempted, retry, partial" in x for x in said)
 
 
 def test_the_ray_executor_without_ray_is_one_line(tmp_path, monkeypatch, capsys):

@@ -165,6 +165,12 @@ class Fit:
                 f"block sizes other than {', '.join(map(str, self.block_size_choices()))}: "
                 f"it supports {', '.join(map(str, self.block_sizes or ()))} (its block_sizes)"
             )
+        from kvchaos.faults.leak_variants import REFERENCE_ONLY
+
+        out.append(
+            f"refcount_leak variants {', '.join(REFERENCE_ONLY)}: they plant in the reference"
+            " managers only"
+        )
         if "fork" not in self.capabilities:
             out.append("fork groups: it does not declare the fork capability")
         return out
@@ -198,7 +204,7 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
     names = [f["name"] for f in faults]
     leak = next((f for f in faults if f["name"] == "refcount_leak"), None)
     if leak is not None:
-        _leak_variant(leak, random.Random(f"{seed}/soak/refcount_leak/variant"))
+        _leak_variant(leak, random.Random(f"{seed}/soak/refcount_leak/variant"), fit)
     run = _staging_variant(seed, faults)
     width = _draw(rng, e["max_blocks_per_seq"])
     engine = {
@@ -316,11 +322,15 @@ def _excluded(name: str, faults: list[dict]) -> bool:
     return name == "prefix_cache" and any(f["name"] == "staging_stall" for f in faults)
 
 
-def _leak_variant(fault: dict, rng: random.Random) -> None:
-    """Most draws take one of the leak classes; the rest keep the article's case (no param)."""
+def _leak_variant(fault: dict, rng: random.Random, fit: Fit | None = None) -> None:
+    """Most draws take one of the leak classes; the rest keep the article's case (no param).
+    Under another manager, only the classes that plant on the engine's seams."""
+    from kvchaos.faults.leak_variants import REFERENCE_ONLY
+
     spec = SPACE["leak_variant"]
     if rng.random() >= spec["any"]:
-        v, n = rng.choice(spec["variant"]), _draw(rng, spec["cancels"])
+        choices = [v for v in spec["variant"] if fit is None or v not in REFERENCE_ONLY]
+        v, n = rng.choice(choices), _draw(rng, spec["cancels"])
         fault["params"] = {"variant": v, "cancels": n}
 
 
@@ -404,9 +414,12 @@ def _fit_async_free(engine: dict, workload: dict, fault: dict, stall: bool) -> N
     v = fault["params"]["variant"]
     if (v in ("preempt", "staging") and stall) or (v == "staging" and engine["tp_size"] > 1):
         fault["params"]["variant"] = "finish"
-    elif fault["params"]["variant"] == "preempt":
-        cache = engine["cache"]
-        cache["num_blocks"] = 2 * cache["max_blocks_per_seq"]
+    elif fault["params"]["variant"] == "preempt":  # four requests that decode long: twice the
+        cache, out = engine["cache"], workload["output_len"]  # blocks one needs is too few
+        out["min"] = max(out["min"], out["max"] // 2)
+        per = -(-(workload["prompt_len"]["max"] + out["max"]) // cache["block_size"])
+        cache["num_blocks"] = max(cache["max_blocks_per_seq"], 2 * per)
+        cache["max_num_seqs"] = max(cache["max_num_seqs"], 4)
         workload["num_requests"] = max(workload["num_requests"], 8)
 
 
