@@ -64,6 +64,9 @@ class AsyncMixed(TypedDict):
 
     rows: list[int]
     seqs: list[str]  # the sequences those rows now belong to
+    # the blocks of those rows, this step's and the step before's: the ones the step wrote over
+    # and the ones it should have written (a prefix cache may key them, never written)
+    blocks: list[int]
 
 
 class AsyncLanded(TypedDict):
@@ -197,7 +200,9 @@ class AsyncSteps:
             if rank.table.shape == prev.shape:
                 rank.table[width:] = prev[width:].to(rank.table.device)
         self.counters["async_mixed"] += 1
-        mixed = AsyncMixed(rows=differ, seqs=seqs)
+        ids = [*staged.view(-1, width)[differ].flatten().tolist()]
+        ids += prev.view(-1, width)[differ].flatten().tolist()
+        mixed = AsyncMixed(rows=differ, seqs=seqs, blocks=sorted({b for b in ids if b >= 0}))
         f.mixed.append(mixed)
         self.seams.on_event("async_mixed", dict(mixed))
 
