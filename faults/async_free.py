@@ -84,7 +84,7 @@ class Mixed(TypedDict):
     step: int
     rows: list[int]
     seqs: list[str]  # computed through the step before's rows
-    blocks: list[int]  # theirs (by their rows now): written elsewhere, or never
+    blocks: list[int]  # the mixed rows' (now and as staged): written over, elsewhere, or never
 
 
 class Truth(base.Truth):
@@ -197,7 +197,9 @@ class AsyncFree(Fault):
     def _after_mixed(self, engine, step: int) -> None:
         for x in engine.inflight.mixed[len(self.mixed) :]:
             mine = {q: set(engine.table.table.row(r)) for q, r in engine.table.rows.items()}
-            own = sorted({b for q in x["seqs"] for b in mine.get(q, ()) if b >= 0})
+            own = {b for q in x["seqs"] for b in mine.get(q, ()) if b >= 0}
+            # and the rows' blocks as the engine staged them (a sequence done by now has no row)
+            own = sorted(own | set(x.get("blocks", ())))
             d = {"step": step, "rows": x["rows"], "seqs": x["seqs"], "blocks": own}
             self.mixed.append(d)
             self.touch(requests=x["seqs"], rows=x["rows"], blocks=own)

@@ -168,3 +168,50 @@ def test_the_events_are_as_their_types_say(runs):
             )
         kinds = {e["kind"] for e in async_events(events)}
         assert kinds >= ({"async_freed", "async_landed"} if key[1] == "detect" else {"async_fence"})
+
+
+SOAK_142 = {  # soak seed 142 (under SGLang's manager and the reference alike), its draws as given
+    "scenario": {"name": "soak-142-staging", "seeds": [142]},
+    "engine": {
+        "max_prefill_tokens": 22,
+        "async_scheduling": True,
+        "cache": {"block_size": 4, "max_blocks_per_seq": 13, "max_num_seqs": 4, "num_blocks": 39},
+    },
+    "workload": {
+        "num_requests": 14,
+        "arrival_rate": 2.309,
+        "cancel": {"rate": 0.01, "phases": ["preempted", "prefill", "decode"]},
+        "prompt_len": {"dist": "uniform", "min": 1, "max": 25},
+        "output_len": {"dist": "uniform", "min": 1, "max": 14},
+        "prefix": {
+            "groups": 2,
+            "prefix_len": {"dist": "uniform", "min": 1, "max": 13},
+            "share": 0.496,
+            "repeat": 0.055,
+        },
+    },
+    "faults": [{"name": "async_free", "defect": True, "params": {"variant": "staging"}}],
+    "expect": {
+        "outcome": "detect",
+        "checkers": ["kv_reads", "oracle_divergence", "prefix_cache", "table_integrity"],
+        "within_steps": 2,
+    },
+}
+
+
+def test_a_finished_sequences_blocks_keyed_through_a_mixed_table_are_the_race_s():
+    """A sequence computed through a mixed table and finished in that step: the prefix cache keys
+    its blocks, which it never wrote (its writes went to the step before's rows). Its row is gone
+    by the fault's look, so the mixed record's own blocks (as staged) are what names them."""
+    r = run_scenario(parse_scenario(SOAK_142, "<test>"), 142, "cpu", None)
+    truth = r.results["fault_verify"]["async_free"]
+    assert truth["fired"] and any(m["blocks"] for m in truth["mixed"])
+    never = [
+        f
+        for c in r.results["checkers"]
+        if c["checker"] == "prefix_cache"
+        for f in c["findings"]
+        if f["evidence"].get("written") == 0
+    ]
+    assert never, "the shape this guards: a cached block nobody wrote"
+    assert r.verdict == "PASS", r.summary
