@@ -7,6 +7,7 @@ real run here, whose verdict is measured time, is marked timing."""
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import pytest
@@ -138,7 +139,10 @@ def test_the_harness_own_snapshots_are_not_counted_as_the_engine_slowing_down():
     steps = [e for e in r.events if e["e"] == "step" and e.get("decode_tokens")]
     assert max(e["harness_s"] for e in steps) >= 0.003  # it was slow, and measured
     late = steps[-10:]
-    assert all(e["host_s"] < e["harness_s"] for e in late)  # the engine's own share is small
+    # the engine's own share is small (a median: one step a neighbour delays says nothing)
+    assert statistics.median(e["host_s"] for e in late) < statistics.median(
+        e["harness_s"] for e in late
+    )
     lat = next(c for c in r.results["checkers"] if c["checker"] == "latency")
     assert r.verdict == "PASS" and lat["status"] == "held", r.summary
 

@@ -14,7 +14,8 @@ from kvchaos.harness.scenario.spec import parse_scenario
 
 # the steady decode stretch of the stall scenarios, with table_overflow's trigger in the mix
 STEADY = {
-    "scenario": {"name": "overflow-look-steady", "seeds": [0]},
+    # tagged timing: judged by the latency checker, as the soak's stall mixes are
+    "scenario": {"name": "overflow-look-steady", "seeds": [0], "tags": ["timing"]},
     "engine": {
         "cache": {"block_size": 8, "num_blocks": 64, "max_blocks_per_seq": 16, "max_num_seqs": 4}
     },
