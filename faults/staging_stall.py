@@ -136,9 +136,12 @@ class StagingStall(Fault):
     root_cause, remediation = TEXT["ramp"]
     # ramp_steps: steps until every page is reclaimed (the ramp's); plateau_us: the ramp's
     # fallback stall per upload once all are, where no page can be dropped; burst_steps of every
-    # burst_every steps drop the pages (bursts')
+    # burst_every steps drop the pages (bursts'). page_bytes: the modelled ramp's page, unused
+    # since its pages are the kernel's; accepted and recorded as before, so scenario files and
+    # histories written with it load and replay as they were
     defaults = {
         "at_step": 20,
+        "page_bytes": 16,
         "ramp_steps": 12,
         "plateau_us": 3000.0,
         "variant": "ramp",
@@ -147,6 +150,7 @@ class StagingStall(Fault):
     }
     domains = {
         "at_step": STEP,
+        "page_bytes": Num(int, ge=1),
         "ramp_steps": Num(int, ge=1),
         "plateau_us": Num(float, ge=0),
         "variant": OneOf(VARIANTS),

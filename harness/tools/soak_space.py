@@ -45,7 +45,7 @@ SPACE = {
         "cancels": (1, 3),
     },
     "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
-    # the stall's variant, drawn from its own stream: the ramp's draws stay what they were
+    # the stall's variant, drawn from its own stream (the fault's own params stay as drawn)
     "staging_variant": {
         "variant": ["ramp", "from_start", "bursts"],
         "burst_steps": (5, 8),
@@ -299,17 +299,20 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
 
 
 def _staging_variant(seed: int, faults: list[dict]) -> dict:
-    """The staging stall's variant, from its own stream; the [run] settings a real-cost one needs:
-    a floor for a stall of ~0.1 ms, a snapshot every 10th step (each holds the serving-size
-    table), so it is drawn alone in the mix (the others' checks want every step's snapshot).
-    {} for the ramp or no stall."""
+    """The staging stall's variant, from its own stream; the [run] settings its real cost needs
+    (every variant's: its pages really fault in, about a microsecond each): a floor for a stall
+    of ~0.1 ms, a snapshot every 10th step (each holds the serving-size table), so it is drawn
+    alone. In a mix (whose other checks want every step's snapshot) the stall is the ramp's
+    trigger alone: the remediated engine re-allocates, and no defect is planted that the mix's
+    small table could not show. {} for no stall, or a stall in a mix."""
     f = next((f for f in faults if f["name"] == "staging_stall"), None)
     if f is None:
         return {}
+    if len(faults) > 1:
+        f["defect"] = False
+        return {}
     r = random.Random(f"{seed}/soak/staging_stall/variant")
     drawn = {k: _draw(r, spec) for k, spec in SPACE["staging_variant"].items()}
-    if drawn["variant"] == "ramp" or len(faults) > 1:
-        return {}
     f["params"]["variant"] = drawn["variant"]
     if drawn["variant"] == "bursts":
         f["params"].update(burst_steps=drawn["burst_steps"], burst_every=drawn["burst_every"])
