@@ -14,7 +14,7 @@ import torch
 
 from kvchaos.engine import CacheConfig, Engine, EngineConfig, ModelConfig
 from kvchaos.engine.staging import StagingBuffer
-from kvchaos.faults import REGISTRY, Fault, ParamError, make_fault
+from kvchaos.faults import REGISTRY, ParamError, make_fault
 from kvchaos.faults.staging_stall import TEXT, VARIANTS, StagingStall
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="MADV_DONTNEED drops pages on Linux")
@@ -211,3 +211,28 @@ def test_the_soak_draws_every_variant_alone_on_a_serving_size_table_and_in_a_mix
         assert cache["max_num_seqs"] * cache["max_blocks_per_seq"] >= STAGED_ENTRIES
         assert d["run"]["latency_floor_ms"] < 0.5
     assert seen == set(VARIANTS) and mixed
+
+
+@linux
+def test_the_bench_counts_a_fault_per_dropped_page_and_none_for_the_pinned_copy():
+    from kvchaos.harness.bench.staging import page_faults
+
+    r = page_faults(runs=5)
+    large = r["large"]
+    assert large["pageable_dropped"]["pages_dropped"] == 512
+    assert large["pageable_dropped"]["minflt_median"] >= 512
+    assert large["pageable"]["minflt_median"] < 512  # pages kept: nothing to fault in
+    if large["pinned"]["pinned"]:  # mlock granted: reclaim cannot take a page of it
+        assert large["pinned"]["minflt_median"] < 512
+
+
+@linux
+@pytest.mark.timing  # measured time
+def test_a_dropped_serving_size_table_costs_several_times_the_pinned_copy():
+    """The real cost the ramp's scenario judges: 512 pages faulted in, against the same copy
+    into a pinned buffer (medians of 40 copies; a page fault is ~1 us, the copy ~50 us)."""
+    from kvchaos.harness.bench.staging import page_faults
+
+    large = page_faults()["large"]
+    assert large["pageable_dropped"]["median_us"] > 3 * large["pinned"]["median_us"]
+    assert large["dropped_minus_pinned_us"] > 200
