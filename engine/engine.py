@@ -18,6 +18,7 @@ from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
 from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
+from kvchaos.engine.geometry import KernelGeometry
 from kvchaos.engine.inflight import AsyncSteps, InFlight
 from kvchaos.engine.model import Model
 from kvchaos.engine.prefix_manager import PrefixCachingManager
@@ -47,7 +48,7 @@ def decode_backend(name: str):
     return paged_decode_torch
 
 
-class Engine(BatchBuilder, AsyncSteps, TableUpload):
+class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
     def __init__(self, config: EngineConfig, block_manager: KVManager | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -92,24 +93,9 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload):
         self.decode_attention = decode_backend(config.resolved_backend())
         tp = config.tp_size
         self.kv_heads_per_rank = mc.num_kv_heads // tp
-        # One pool per rank: [layers, K/V, blocks, block_size, kv_heads / tp, head_dim]
-        self.kv_pools = [
-            torch.zeros(
-                mc.num_layers,
-                2,
-                self.bm.num_blocks,
-                self.bm.block_size,
-                self.kv_heads_per_rank,
-                mc.head_dim,
-                dtype=mc.torch_dtype,
-                device=self.device,
-            )
-            for _ in range(tp)
-        ]
-        self._kv_views = [
-            [(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)]
-            for pool in self.kv_pools
-        ]
+        self.kernel_bs: int | None = None  # the kernels' block size, where not the manager's
+        self.geometry_alignments = 0  # pool sizes / kernel block sizes aligned to the manager's
+        self._alloc_pools(self.bm.num_blocks)  # one per rank (geometry.py)
         self.ranks = RankGroup(tp, self.device)
         self._pinned = True  # page-locked: pinned on CUDA, mlock on the CPU (staging.py)
         self.staging = StagingBuffer(self.table.table.host_tensor.numel(), self._pinned)

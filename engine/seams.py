@@ -49,6 +49,10 @@ class Seams:
     # Set: the row stride the kernels index the flat table with (row * stride + index). None (the
     # default): the table's own width, whatever it was resized to.
     kernel_stride: int | None = None
+    # The kernels' geometry is the manager's: a KV pool sized, or a kernel block size asked,
+    # apart from its num_blocks / block_size is aligned to them (engine/geometry.py). Off (a
+    # planted defect): as asked, the pool addressed past its end.
+    geometry_check: bool = True
     # Re-allocate the host staging buffer when it is not valid in this process.
     staging_check: bool = True
     # Ranks acknowledge the current table version before computing.

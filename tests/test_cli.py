@@ -20,7 +20,8 @@ import torch
 import kvchaos
 from kvchaos.engine.engine import Engine
 from kvchaos.harness.check.verdict import EXIT_CODES
-from kvchaos.harness.cli import EXITS, build_parser, main
+from kvchaos.harness.cli import build_parser, main
+from kvchaos.harness.commands import EXITS
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
 

@@ -102,6 +102,7 @@ class LiveRun:
         stride = e.kernel_stride()
         if stride is not None:  # the kernels read this table at another stride: judged as read
             ev["kernel_stride"] = stride
+        ev.update(e.kernel_geometry())  # ... or in another block size, or a pool sized short
         self.h.append(ev)
 
     def _check_writes(self, step: int) -> None:

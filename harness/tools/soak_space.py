@@ -92,6 +92,12 @@ SPACE = {
     },
     # the table_overflow variant: its default (unchecked) this share of the time
     "table_overflow_default_share": 0.4,
+    # the kernel-geometry variants (added later), drawn on a stream of their own in this share of
+    # a non-default draw: every other seed's variant stays what it was
+    "table_overflow_geometry": {
+        "variant": ["slot_past_pool", "kernel_block_size"],
+        "share": 0.25,
+    },
     # the ordering race's variants, drawn from a stream of their own, each with the params it
     # sets over the drawn ones: the triggers of cow_lag (a copy-on-write, so forks: never in a
     # stall's workload) and stale_unread (a step that changes freed rows alone) are rare, so
@@ -372,18 +378,24 @@ def _table_overflow_variant(seed: int) -> dict:
     r = random.Random(f"{seed}/soak/table_overflow/variant")
     if r.random() < SPACE["table_overflow_default_share"]:
         return {}
-    return {"variant": r.choice(SPACE["faults"]["table_overflow"]["variant"])}
+    v = r.choice(SPACE["faults"]["table_overflow"]["variant"])
+    g, geo = random.Random(f"{seed}/soak/table_overflow/geometry"), SPACE["table_overflow_geometry"]
+    return {"variant": g.choice(geo["variant"]) if g.random() < geo["share"] else v}
 
 
 def _fit_table_overflow(engine: dict, fault: dict) -> None:
     """What a table_overflow variant needs of the engine: a resize policy (stride_mismatch), a
     block of 3+ tokens (floor_width), a prefill chunk that crosses a row's end mid-chunk
-    (chunked_growth)."""
+    (chunked_growth), rows for requests that run the pool dry (slot_past_pool)."""
     v, cache = fault["params"].get("variant"), engine["cache"]
     if v == "stride_mismatch":
         cache["overflow_policy"] = "resize"
     elif v == "floor_width" and cache["block_size"] < 3:
         cache["block_size"] = 4
+    elif v == "slot_past_pool":  # rows enough for its requests to run the pool dry at once
+        pool_rows = -(-cache["num_blocks"] // cache["max_blocks_per_seq"])
+        rows = fault["params"].get("neighbours", 3) + pool_rows + 2
+        cache["max_num_seqs"] = max(cache["max_num_seqs"], rows)
     elif v == "chunked_growth":
         cap = cache["max_blocks_per_seq"] * cache["block_size"]
         mpt = min(engine["max_prefill_tokens"], cap - 1)
