@@ -20,6 +20,8 @@ REACH = {
     "preempted": ("preemption_releases",),
     "retry": ("leak_paths", "cancels_after_refused_admission"),
     "rate": ("leak_paths", "cancels"),
+    "waiting": ("leak_paths", "cancels_waiting_holding"),
+    "engine_abort": ("leak_paths", "engine_aborts"),
 }
 
 
@@ -33,6 +35,10 @@ def _passes(r) -> bool:
     )
 
 
+def _scenario(variant: str, outcome: str):
+    return load_scenario(f"refcount-leak-{variant.replace('_', '-')}-{outcome}")
+
+
 def _reach(exercised: dict, path: tuple) -> int:
     for k in path:
         exercised = exercised[k]
@@ -41,7 +47,7 @@ def _reach(exercised: dict, path: tuple) -> int:
 
 @pytest.mark.parametrize("variant", sorted(REACH))
 def test_detect_fires_and_is_caught(variant):
-    r = run_scenario(load_scenario(f"refcount-leak-{variant}-detect"), 0, report_dir=None)
+    r = run_scenario(_scenario(variant, "detect"), 0, report_dir=None)
     truth = r.results["fault_verify"]["refcount_leak"]
     assert truth["fired"] and truth["variant"] == variant and truth["leaked_blocks"] > 0
     assert _passes(r), r.summary
@@ -51,7 +57,7 @@ def test_detect_fires_and_is_caught(variant):
 
 @pytest.mark.parametrize("variant", sorted(REACH))
 def test_clean_pulls_the_trigger_holds_and_reaches_the_path(variant):
-    r = run_scenario(load_scenario(f"refcount-leak-{variant}-clean"), 0, report_dir=None)
+    r = run_scenario(_scenario(variant, "clean"), 0, report_dir=None)
     truth = r.results["fault_verify"]["refcount_leak"]
     assert not [f for f in r.findings if f.checker != "latency"], r.summary
     assert truth["triggered"] > 0 and not truth["fired"] and truth["remediated"] > 0
@@ -85,6 +91,33 @@ def test_a_manager_variant_says_where_it_does_not_apply():
     r = run_scenario(sc, 0, report_dir=None, block_manager=Delegate)
     truth = r.results["fault_verify"]["refcount_leak"]
     assert "not in Delegate" in (truth["not_applicable"] or ""), truth
+
+
+@pytest.mark.parametrize("variant", ["waiting", "engine_abort"])
+def test_an_engine_path_variant_plants_under_another_manager(variant):
+    """Their trigger and defect are the engine's (kv_load_steps, on_sample, free_on_exit): under
+    a manager of another kind they apply, leak and are caught, or hold."""
+    from tests.managers import Delegate
+
+    for defect in ("detect", "clean"):
+        sc = _scenario(variant, defect)
+        r = run_scenario(sc, 1, report_dir=None, block_manager=Delegate)
+        truth = r.results["fault_verify"]["refcount_leak"]
+        assert truth["not_applicable"] is None and truth["triggered"] > 0, truth
+        assert truth["fired"] == (defect == "detect") and _passes(r), r.summary
+
+
+def test_engine_abort_fails_each_request_at_its_seeded_token():
+    """The exception comes from the fault's schedule: the same seed, the same tokens; another
+    seed, another schedule."""
+    sc = load_scenario("refcount-leak-engine-abort-clean")
+    runs = [run_scenario(sc, s, report_dir=None) for s in (0, 0, 3)]
+    failed = [
+        [(e["step"], e["data"]["error"]) for e in r.events if e.get("kind") == "request_failed"]
+        for r in runs
+    ]
+    assert failed[0] == failed[1] and failed[0] != failed[2] and len(failed[0]) == 4
+    assert runs[0].results["history_digest"] == runs[1].results["history_digest"]
 
 
 def test_the_soak_draws_every_variant_and_the_prefix_shapes_validly():

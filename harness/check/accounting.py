@@ -30,7 +30,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             ended[e["req"]] = e["step"]
             cancels[e["req"]] = e
         elif kind == "step":
-            for r in e.get("finished", []):
+            for r in (*e.get("finished", ()), *e.get("failed", ())):
                 ended[r] = e["step"]
         elif kind == "snapshot":
             snaps += 1

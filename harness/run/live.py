@@ -91,6 +91,8 @@ class LiveRun:
             return
         self.last_snap = (step, snap)
         live = [s.id for s in e.scheduler.running]
+        if e.scheduler.loading:  # waiting for their KV to land, holding blocks: live too
+            live += [s.id for s in e.scheduler.waiting if s.holds]
         live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
         self.passed = {
             **d,
@@ -263,6 +265,8 @@ class LiveRun:
             blocks = snap.seq_blocks.get(req, [])
             if any(snap.ref_counts[b] > 1 for b in blocks):
                 return "shared"
+        if seq.state is State.WAITING and seq.holds:
+            return "loading"  # waiting, holding the blocks its KV lands in
         return seq.phase
 
     def _waits(self, a) -> bool | None:
@@ -352,7 +356,7 @@ class LiveRun:
                         "e": "cancel",
                         "step": step,
                         "req": a.req,
-                        "phase": before if phase == "shared" else phase,
+                        "phase": before if phase in ("shared", "loading") else phase,
                         "shared": phase == "shared",
                         "blocks": blocks,
                         "origin": a.origin,
@@ -439,6 +443,7 @@ class LiveRun:
                     "preempted": st.preempted,
                     "tokens": out.tokens,
                     "finished": out.finished,
+                    **({"failed": out.failed} if out.failed else {}),
                     "table_version": st.table_version,
                     "stale_ranks": st.stale_ranks,
                     "rank_crcs": st.rank_table_crcs,

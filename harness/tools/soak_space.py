@@ -41,7 +41,17 @@ SPACE = {
     # of the leak classes; the shapes prefix-cache bugs need, rounds each, with a prefix cache
     "leak_variant": {
         "any": 0.4,
-        "variant": ["prefill", "decode", "shared", "preempted", "retry", "partial", "rate"],
+        "variant": [
+            "prefill",
+            "decode",
+            "shared",
+            "preempted",
+            "retry",
+            "partial",
+            "rate",
+            "waiting",
+            "engine_abort",
+        ],
         "cancels": (1, 3),
     },
     "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
