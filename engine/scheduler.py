@@ -57,6 +57,14 @@ class Scheduler:
         seq.state, seq.num_computed = State.PREEMPTED, 0
         self.waiting.appendleft(seq)
 
+    def live(self) -> list[str]:
+        """The ids of the sequences holding blocks: the running ones, then those waiting for
+        their KV to land."""
+        ids = [s.id for s in self.running]
+        if self.loading:
+            ids += [s.id for s in self.waiting if s.holds]
+        return ids
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -26,9 +26,10 @@ trigger that puts the fault's own requests into the phase the variant breaks.
              on an error path that forgets the release (sglang#38352: a request finished ahead
              of the result processors "leaks its KV and never answers")
 
-Engine-path variants (any, prefill, decode, shared, rate, waiting, engine_abort) plant on the engine's free_on_exit seam
-and so in any manager; preempted and partial plant in the reference managers' release_skips,
-retry in the reference prefix pool (PoolSeams.check_before_touch)."""
+Engine-path variants (any, prefill, decode, shared, rate, waiting, engine_abort) plant on the
+engine's free_on_exit seam (waiting's trigger on kv_load_steps, engine_abort's on on_sample) and
+so in any manager; preempted and partial plant in the reference managers' release_skips, retry in
+the reference prefix pool (PoolSeams.check_before_touch)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ VARIANTS = (
 )
 # planted on the reference managers' own seams: not applicable under another manager
 REFERENCE_ONLY = ("preempted", "retry", "partial")
+# its requests hold blocks whose KV lands later: a prefix-caching manager that keys blocks as it
+# allocates them (vLLM's, unless its scheduler passes delay_cache_blocks, which protocol v2
+# cannot say) caches them unwritten. Left out under another prefix-caching manager.
+DELAYED_KV = ("waiting",)
 # free_on_exit: any manager
 ENGINE_PATH = ("any", "prefill", "decode", "shared", "rate", "waiting", "engine_abort")
 RATE_STRIDE = 20  # rate: one cancel in RATE_STRIDE leaks (about 5%)

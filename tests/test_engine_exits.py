@@ -20,7 +20,9 @@ def make_engine() -> Engine:
         block_size=4, num_blocks=40, max_blocks_per_seq=8, max_num_seqs=4, prefix_caching=False
     )
     return Engine(
-        EngineConfig(model=MODEL, cache=cache, seed=3, attention_backend="torch", max_prefill_tokens=8)
+        EngineConfig(
+            model=MODEL, cache=cache, seed=3, attention_backend="torch", max_prefill_tokens=8
+        )
     )
 
 

@@ -134,3 +134,48 @@ def test_the_soak_draws_every_variant_and_the_prefix_shapes_validly():
                 variants.add(f.params.get("variant", "any"))
         shapes += "shapes" in data["workload"]
     assert variants == set(VARIANTS) and shapes > 0
+
+
+def test_the_soak_leaves_waiting_out_under_another_prefix_cache():
+    """waiting's requests hold blocks whose KV lands later: a prefix cache keying blocks as it
+    allocates them (vLLM's) would cache them unwritten, so the mix leaves it out there, and
+    says so; a manager without a cache still draws it."""
+    from kvchaos.harness.tools.soak_space import Fit, generate_scenario
+
+    plain = Fit(spec="m:M", capabilities=frozenset({"fork"}))
+    cached = Fit(spec="m:M", capabilities=frozenset({"fork", "prefix_cache"}))
+
+    def drawn(fit) -> set[str]:
+        out = set()
+        for seed in range(200):
+            for f in generate_scenario(seed, fit).get("faults", []):
+                if f["name"] == "refcount_leak":
+                    out.add(f["params"].get("variant", "any"))
+        return out
+
+    assert {"waiting", "engine_abort"} <= drawn(plain)
+    got = drawn(cached)
+    assert "waiting" not in got and "engine_abort" in got
+    assert any("variant waiting" in x for x in cached.left_out())
+    assert not any("variant waiting" in x for x in plain.left_out())
+
+
+def test_the_adapter_lane_leaves_out_the_leak_variants_an_adapter_cannot_be_asked():
+    """.ci/adapter-lane's exclusion (a grep -E pattern) against each variant's clean scenario:
+    left out exactly when planted on the reference's own seams or its KV lands later."""
+    import re
+    from pathlib import Path
+
+    from kvchaos.faults.leak_variants import DELAYED_KV, REFERENCE_ONLY
+
+    root = Path(__file__).resolve().parents[1]
+    lane = (root / ".ci" / "adapter-lane").read_text()
+    pattern = re.search(r"^reference_only='(.*)'$", lane, re.M).group(1)
+    for v in sorted(set(VARIANTS) - {"any"}):
+        text = _scenario_path(root, v).read_text()
+        left_out = re.search(pattern, text, re.M) is not None
+        assert left_out == (v in REFERENCE_ONLY + DELAYED_KV), v
+
+
+def _scenario_path(root, variant: str):
+    return root / "scenarios" / f"refcount-leak-{variant.replace('_', '-')}-clean.toml"

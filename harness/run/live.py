@@ -90,9 +90,7 @@ class LiveRun:
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        live = [s.id for s in e.scheduler.running]
-        if e.scheduler.loading:  # waiting for their KV to land, holding blocks: live too
-            live += [s.id for s in e.scheduler.waiting if s.holds]
+        live = e.scheduler.live()  # (those waiting for their KV to land hold blocks too)
         live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
         self.passed = {
             **d,
