@@ -10,7 +10,11 @@ the blocks the new positions add: Engine.estimate): any admit or append may be r
 scheduler then does what a serving scheduler does: a decode sequence that cannot grow preempts the
 newest running request (itself, if it is the newest); a request whose first chunk is refused goes
 back to wait, in order; a later prefill chunk that is refused waits a step. Its audit
-(engine/audit.py) holds the plan's estimates against what the calls then took."""
+(engine/audit.py) holds the plan's estimates against what the calls then took.
+
+A request whose KV lands from elsewhere (seams.kv_load_steps: a disaggregated prefill's transfer)
+is admitted, then waits in the waiting queue holding the blocks its admission reserved, skipped by
+admission, until the step it lands: then it runs that chunk with no new call to the manager."""
 
 from __future__ import annotations
 

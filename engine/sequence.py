@@ -37,7 +37,7 @@ class Sequence:
 
     @property
     def phase(self) -> str:
-        """Its stage: waiting, prefill, decode, preempted, finished, cancelled."""
+        """Its stage: waiting, prefill, decode, preempted, finished, cancelled, failed."""
         if self.state is State.RUNNING:
             return "decode" if self.uncomputed == 1 else "prefill"
         return self.state.value
