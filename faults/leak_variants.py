@@ -51,7 +51,8 @@ VARIANTS = (
 REFERENCE_ONLY = ("preempted", "retry", "partial")
 # its requests hold blocks whose KV lands later: a prefix-caching manager that keys blocks as it
 # allocates them (vLLM's, unless its scheduler passes delay_cache_blocks, which protocol v2
-# cannot say) caches them unwritten. Left out under another prefix-caching manager.
+# cannot say) caches them unwritten: left out of vLLM's adapter lane, and of the soak's mix under
+# any other prefix-caching manager (it cannot tell which key at allocation; SGLang's holds).
 DELAYED_KV = ("waiting",)
 # free_on_exit: any manager
 ENGINE_PATH = ("any", "prefill", "decode", "shared", "rate", "waiting", "engine_abort")
