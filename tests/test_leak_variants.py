@@ -120,6 +120,17 @@ def test_engine_abort_fails_each_request_at_its_seeded_token():
     assert runs[0].results["history_digest"] == runs[1].results["history_digest"]
 
 
+def test_the_engine_abort_leak_is_named_by_how_the_request_ended():
+    r = run_scenario(_scenario("engine_abort", "detect"), 0, report_dir=None)
+    leaks = [f for f in r.findings if f.kind == "leak"]
+    assert leaks and all(f.evidence.get("failed") for f in leaks)
+    assert all("ended in error" in f.message for f in leaks)
+    waiting = run_scenario(_scenario("waiting", "detect"), 0, report_dir=None)
+    leaks = [f for f in waiting.findings if f.kind == "leak"]
+    assert leaks and all("in phase waiting" in f.message for f in leaks)
+    assert not any("failed" in f.evidence for f in leaks)
+
+
 def test_the_soak_draws_every_variant_and_the_prefix_shapes_validly():
     from kvchaos.harness.scenario.spec import parse_scenario
     from kvchaos.harness.tools.soak_space import generate_scenario
