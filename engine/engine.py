@@ -17,7 +17,7 @@ from kvchaos.engine.batch import BatchBuilder
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
-from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
+from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestFailed, RequestRejected
 from kvchaos.engine.geometry import KernelGeometry
 from kvchaos.engine.inflight import AsyncSteps, InFlight
 from kvchaos.engine.model import Model
@@ -249,10 +249,18 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
         if seq.done:
             return False
         self.scheduler.remove(seq)
-        if seq.state is State.RUNNING:
+        if seq.holds:  # running, or waiting for its KV to land: a waiting request may hold too
             self._release(seq, "cancel")
         seq.state = State.CANCELLED
         return True
+
+    def _fail(self, seq: Sequence, err: RequestFailed) -> None:
+        """The engine's abort of a request whose own work failed in the step: it ends in error
+        and gives its blocks back ("error"), as every exit path does."""
+        self.scheduler.remove(seq)
+        seq.state = State.FAILED
+        self.seams.on_event("request_failed", {"req": seq.id, "error": str(err)})
+        self._release(seq, "error")
 
     def refused(self, call: str, seq_id: str, tokens: int, refusal=None) -> None:
         """Count a refusal ("no room"): the manager's answer, which the scheduler works around.
@@ -376,11 +384,17 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
             s.num_computed += n
         if "end_step" in self.capabilities:
             self.bm.end_step({s.id: s.num_computed for s in (*decode, *(p for p, _ in prefill))})
-        out_tokens, out_logits, finished = {}, {}, []
+        out_tokens, out_logits, finished, failed = {}, {}, [], []
         if emit:
             logits_cpu = logits.cpu()
             next_tokens = logits_cpu.argmax(-1).tolist()
             for (s, _), tok, row in zip(emit, next_tokens, logits_cpu):
+                try:
+                    self.seams.on_sample(s)
+                except RequestFailed as err:  # its own error: the others' step goes on
+                    self._fail(s, err)
+                    failed.append(s.id)
+                    continue
                 s.tokens.append(tok)
                 out_tokens[s.id], out_logits[s.id] = tok, row
                 if s.num_generated >= s.max_new_tokens:
@@ -389,7 +403,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
                     self._release(s, "finish")
                     finished.append(s.id)
         stats = self._stats(t0, c0, t_prep, t_host, decode, prefill, preempted, stale)
-        return StepOutput(stats, out_tokens, out_logits, finished)
+        return StepOutput(stats, out_tokens, out_logits, finished, failed)
 
     def _stats(
         self, t0, c0, t_prep, t_host, decode, prefill, preempted, stale, computed=True
@@ -430,7 +444,8 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
     def close(self) -> None:
         """Release every block still held (idempotent)."""
         self._complete()
-        for s in list(self.scheduler.running):
+        held = [s for s in self.scheduler.waiting if s.holds]  # waiting for their KV to land
+        for s in list(self.scheduler.running) + held:
             self.scheduler.remove(s)
             self.bm.release(s.id, "aborted")
             s.holds = False

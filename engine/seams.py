@@ -26,6 +26,14 @@ def _never_rows(seqs: list) -> bool:
     return False
 
 
+def _no_load(seq) -> int:
+    return 0
+
+
+def _sampled(seq) -> None:
+    return None
+
+
 def _ignore(kind: str, data: dict) -> None:
     return None
 
@@ -75,6 +83,13 @@ class Seams:
     slots_by_position: bool = True
     # Whether to release a sequence's blocks as it leaves (reason: finish, cancel, preempt, error).
     free_on_exit: Callable[[object, str], bool] = _always_free
+    # Steps an admitted request waits in the waiting queue for its KV to land from elsewhere (a
+    # disaggregated prefill's transfer: vLLM's WAITING_FOR_REMOTE_KVS, SGLang's decode prealloc
+    # queue), holding the blocks its admission reserved; asked at each admission. 0: it runs.
+    kv_load_steps: Callable[[object], int] = _no_load
+    # Called for each sequence about to take its sampled token; raising RequestFailed is that
+    # request's own error in the step: the engine ends it in error (release reason "error").
+    on_sample: Callable[[object], None] = _sampled
     # Asynchronous scheduling: release a sequence while the step in flight still writes its
     # blocks (reason as above); False: wait for that step first (engine/inflight.py).
     free_in_flight: Callable[[object, str], bool] = _never

@@ -12,6 +12,7 @@ class State(enum.Enum):
     PREEMPTED = "preempted"  # blocks taken back; recomputes from scratch when readmitted
     FINISHED = "finished"
     CANCELLED = "cancelled"
+    FAILED = "failed"  # ended by the engine: its own work failed in a step (RequestFailed)
 
 
 @dataclass(eq=False)
@@ -36,14 +37,14 @@ class Sequence:
 
     @property
     def phase(self) -> str:
-        """Its stage: waiting, prefill, decode, preempted, finished, cancelled."""
+        """Its stage: waiting, prefill, decode, preempted, finished, cancelled, failed."""
         if self.state is State.RUNNING:
             return "decode" if self.uncomputed == 1 else "prefill"
         return self.state.value
 
     @property
     def done(self) -> bool:
-        return self.state in (State.FINISHED, State.CANCELLED)
+        return self.state in (State.FINISHED, State.CANCELLED, State.FAILED)
 
 
 @dataclass
@@ -82,3 +83,4 @@ class StepOutput:
     tokens: dict[str, int]  # request id -> token produced this step
     logits: dict[str, "object"]  # request id -> float32 logits [vocab] (CPU tensor)
     finished: list[str]
+    failed: list[str] = field(default_factory=list)  # ended in error this step (RequestFailed)

@@ -332,6 +332,7 @@ def check_liveness(
         elif k == "step":
             last_step = e["step"]
             ended.update(e.get("finished", []))
+            ended.update(e.get("failed", ()))
             if e.get("tokens"):
                 last_token = e["step"]
             for r in e.get("tokens", {}):

@@ -99,24 +99,35 @@ def exercised(events: list[dict]) -> dict:
 
 
 def leak_paths(events: list[dict]) -> dict[str, int]:
-    """Cancels per phase (prefill, decode, waiting after a refused admission, preempted), frees
-    of shared blocks (all shared, or shared and private: partial), preemption releases, and the
-    cancels in all (rate)."""
+    """Cancels per phase (prefill, decode, waiting after a refused admission, waiting holding
+    blocks, preempted), frees of shared blocks (all shared, or shared and private: partial),
+    preemption releases, the cancels in all (rate), and the requests the engine itself ended in
+    error in a step (engine_abort)."""
     refused: set[str] = set()
     last_held: dict | None = None  # the latest snapshot's seq_blocks
     out = dict.fromkeys(
-        ("cancels", "cancels_after_refused_admission", "frees_all_shared", "frees_partly_shared"),
+        (
+            "cancels",
+            "cancels_after_refused_admission",
+            "cancels_waiting_holding",
+            "frees_all_shared",
+            "frees_partly_shared",
+            "engine_aborts",
+        ),
         0,
     )
     for e in events:
         kind = e.get("e")
         if kind == "snapshot":
             last_held = e["seq_blocks"]
+        elif kind == "step":
+            out["engine_aborts"] += len(e.get("failed", ()))
         elif kind == "engine" and e.get("kind") == "refusal" and e["data"]["call"] == "admit":
             refused.add(e["data"]["seq"])
         elif kind == "cancel":
             out["cancels"] += 1
             out["cancels_after_refused_admission"] += e["req"] in refused
+            out["cancels_waiting_holding"] += e.get("phase") == "waiting" and bool(e.get("blocks"))
             if e.get("shared") and last_held is not None:  # held by no one else: private
                 others = {b for s, bs in last_held.items() if s != e["req"] for b in bs}
                 private = any(b not in others for b in e.get("blocks", ()))

@@ -90,7 +90,7 @@ class LiveRun:
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        live = [s.id for s in e.scheduler.running]
+        live = e.scheduler.live()  # (those waiting for their KV to land hold blocks too)
         live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
         self.passed = {
             **d,
@@ -264,6 +264,8 @@ class LiveRun:
             blocks = snap.seq_blocks.get(req, [])
             if any(snap.ref_counts[b] > 1 for b in blocks):
                 return "shared"
+        if seq.state is State.WAITING and seq.holds:
+            return "loading"  # waiting, holding the blocks its KV lands in
         return seq.phase
 
     def _waits(self, a) -> bool | None:
@@ -353,7 +355,7 @@ class LiveRun:
                         "e": "cancel",
                         "step": step,
                         "req": a.req,
-                        "phase": before if phase == "shared" else phase,
+                        "phase": before if phase in ("shared", "loading") else phase,
                         "shared": phase == "shared",
                         "blocks": blocks,
                         "origin": a.origin,
@@ -440,6 +442,7 @@ class LiveRun:
                     "preempted": st.preempted,
                     "tokens": out.tokens,
                     "finished": out.finished,
+                    **({"failed": out.failed} if out.failed else {}),
                     "table_version": st.table_version,
                     "stale_ranks": st.stale_ranks,
                     "rank_crcs": st.rank_table_crcs,

@@ -41,7 +41,17 @@ SPACE = {
     # of the leak classes; the shapes prefix-cache bugs need, rounds each, with a prefix cache
     "leak_variant": {
         "any": 0.4,
-        "variant": ["prefill", "decode", "shared", "preempted", "retry", "partial", "rate"],
+        "variant": [
+            "prefill",
+            "decode",
+            "shared",
+            "preempted",
+            "retry",
+            "partial",
+            "rate",
+            "waiting",
+            "engine_abort",
+        ],
         "cancels": (1, 3),
     },
     "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
@@ -171,12 +181,18 @@ class Fit:
                 f"block sizes other than {', '.join(map(str, self.block_size_choices()))}: "
                 f"it supports {', '.join(map(str, self.block_sizes or ()))} (its block_sizes)"
             )
-        from kvchaos.faults.leak_variants import REFERENCE_ONLY
+        from kvchaos.faults.leak_variants import DELAYED_KV, REFERENCE_ONLY
 
         out.append(
             f"refcount_leak variants {', '.join(REFERENCE_ONLY)}: they plant in the reference"
             " managers only"
         )
+        if "prefix_cache" in self.capabilities:
+            out.append(
+                f"refcount_leak variant {', '.join(DELAYED_KV)}: its requests hold blocks whose KV"
+                " lands later, which a prefix cache keying blocks as it allocates them caches"
+                " unwritten (protocol v2 cannot ask it to wait)"
+            )
         if "fork" not in self.capabilities:
             out.append("fork groups: it does not declare the fork capability")
         return out
@@ -333,12 +349,16 @@ def _excluded(name: str, faults: list[dict]) -> bool:
 
 def _leak_variant(fault: dict, rng: random.Random, fit: Fit | None = None) -> None:
     """Most draws take one of the leak classes; the rest keep the article's case (no param).
-    Under another manager, only the classes that plant on the engine's seams."""
-    from kvchaos.faults.leak_variants import REFERENCE_ONLY
+    Under another manager, only the classes that plant on the engine's seams (and, with a prefix
+    cache, none whose KV lands later: DELAYED_KV)."""
+    from kvchaos.faults.leak_variants import DELAYED_KV, REFERENCE_ONLY
 
     spec = SPACE["leak_variant"]
     if rng.random() >= spec["any"]:
-        choices = [v for v in spec["variant"] if fit is None or v not in REFERENCE_ONLY]
+        out = () if fit is None else REFERENCE_ONLY
+        if fit is not None and "prefix_cache" in fit.capabilities:
+            out += DELAYED_KV
+        choices = [v for v in spec["variant"] if v not in out]
         v, n = rng.choice(choices), _draw(rng, spec["cancels"])
         fault["params"] = {"variant": v, "cancels": n}
 
