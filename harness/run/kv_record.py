@@ -5,8 +5,9 @@ and named by its READER (a holder that never read the slot is named nowhere).
 Slot identity: D(seq, p) = blake2b-8(D(seq, p - 1) || token p), kept per request as its tokens
 arrive (independent of any manager's hash). A reader at position p is right iff the slot its
 table names holds D(reader, p): the same position after the same whole prefix, whoever wrote it.
-Taint: once a request reads wrongly, every slot it writes from that step on carries the origin;
-another reader matching such a slot has read KV computed from wrong KV (poisoned).
+Taint: once a request reads wrongly, on any rank (attention outputs are gathered from every rank),
+every slot it writes from that step on, on every rank, carries the origin; another reader
+matching such a slot has read KV computed from wrong KV (poisoned).
 
 Pure: no torch. LiveRun feeds it the engine's on_batch seam (engine/seams.py) and `cow` events."""
 
@@ -193,14 +194,22 @@ class KVRecord:
         }
         if w is not None and self.ident[s] is None:
             out["torn"] = True  # written in a step that raised: its content is unknown
-        if seq not in self.tainted:  # its writes from this step on carry the origin
-            self.tainted[seq] = origin or seq
-            if self._now[0] == step:
-                for t in self._now[1].get(seq, ()):
-                    self.taint[t] = origin or seq
+        self.taint_writer(seq, origin or seq, step)
+        return out
+
+    def taint_writer(self, seq: str, origin: str, step: int, bump: bool = True) -> None:
+        """seq read wrongly at step (origin: whose wrong read it took): its writes from this step
+        on carry the origin, unless it carries one already. bump: their blocks' versions move (a
+        reader that verified them re-verifies)."""
+        if seq in self.tainted:
+            return
+        self.tainted[seq], bs = origin, self.block_size
+        if self._now[0] == step:
+            for t in self._now[1].get(seq, ()):
+                self.taint[t] = origin
+                if bump:
                     self.version[t // bs] += 1
                     self.bumped.add(t // bs)
-        return out
 
 
 Batch = tuple[list, list]  # (reads [(seq, n_ctx, blocks)], writes [(seq, pos, token, slot)])
@@ -287,9 +296,24 @@ class RankRecords:
                 for f in rec.read(seq, chains[seq], blocks, n, step):
                     f["rank"], f["via_hit"] = r, f["block"] in self.hits.get(seq, ())
                     out.append(f)
+        self._taint_across(step)
         if self.late:
             self._land(step, tokens_of)
         return out
+
+    def _taint_across(self, step: int) -> None:
+        """A wrong read on one rank is wrong on all: each layer's attention output is gathered
+        from every rank, so the reader's hidden state, and the KV it writes on every rank from
+        this step on, carries the origin of the first wrong read found for it."""
+        if len(self.records) < 2:
+            return
+        origin: dict[str, str] = {}
+        for _, rec in sorted(self.records.items()):
+            for seq, o in rec.tainted.items():
+                origin.setdefault(seq, o)
+        for rec in self.records.values():  # no version moves: since this step's writes only
+            for seq, o in origin.items():  # their writer read them, whose own taint they match
+                rec.taint_writer(seq, o, step, bump=False)
 
     def abort(self, step: int) -> None:
         """The step raised: what it may have written is unknown."""
