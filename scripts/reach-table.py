@@ -76,8 +76,8 @@ def row(fault: str, variant: str, scenario: str, runs: list[dict]) -> str:
         verdict += f": not applicable ({na})"
     elif summary:
         verdict += f": {summary}"
-    cells = (label, scenario, where, hit, pulled, verdict.replace("|", "/"))
-    return "| " + " | ".join(cells) + " |"
+    cells = (label, scenario, where, hit, pulled, verdict)
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 def _verdicts(vs: list[str]) -> str:

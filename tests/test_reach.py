@@ -78,4 +78,7 @@ def test_a_reference_only_variant_says_not_applicable_and_a_seam_says_so():
     seam = row("staging_stall", "ramp", "s", [_results(fault="staging_stall")])
     assert "| none: an engine seam (the table upload's staging) | n/a |" in seam
     piped = row("ordering_race", "cow_lag", "c", [_results("FAIL", summary="a | b")])
-    assert piped.endswith("| FAIL: a / b |")
+    assert piped.endswith("| FAIL: a \\| b |")  # a cell's own bar is escaped, not a column
+    ex = {"verdict": "PASS", "summary": "", "exercised": {"full_rows": 1, "resizes": 1}}
+    alt = row("table_overflow", "unchecked", "t", [{**ex, "fault_verify": {}}])
+    assert "| full_rows = 1, overlong_rejections\\|resizes = 1 | yes |" in alt
