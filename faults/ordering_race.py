@@ -53,6 +53,7 @@ class Truth(base.Truth):
     variant: NotRequired[str]
     late_copies: NotRequired[list[KVStep]]
     scrambled: NotRequired[list[KVStep]]
+    not_applicable: NotRequired[str]  # cow_lag on a manager without forks
 
 
 class OrderingRace(Fault):
@@ -122,6 +123,11 @@ class OrderingRace(Fault):
         self._fixes = engine.order_fixes
         self.triggers = Triggers(self, engine)
         self.triggers.plant(v, engine.seams)
+        self.na = None
+        if v == "cow_lag" and "fork" not in engine.capabilities:  # no fork: no copy-on-write
+            m = getattr(engine.bm, "manager", engine.bm)
+            self.na = f"cow_lag needs forks (copy-on-write): {type(m).__name__} declares no 'fork'"
+            emit("not_applicable", {"reason": self.na}, 0)
 
     def after_step(self, engine, step, output) -> None:
         waits = engine.counters["rank_sync_waits"]
@@ -193,6 +199,8 @@ class OrderingRace(Fault):
             out["variant"] = v
         if v in KV_VARIANTS:
             out["late_copies" if v == "cow_lag" else "scrambled"] = self.kv_steps
+        if getattr(self, "na", None):  # (only then: the record of every other run as before)
+            out["not_applicable"] = self.na
         return out
 
     def describe(self) -> dict:
