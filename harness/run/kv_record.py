@@ -57,6 +57,7 @@ class KVRecord:
         self.whole: dict[str, tuple[list[int], list[int]]] = {}  # reader -> whole entries read
         self.tainted: dict[str, str] = {}  # reader -> origin of the wrong read it made or took
         self._now: tuple[int, dict[str, list[int]]] = (-1, {})  # this step's writes, by writer
+        self._seen: tuple[int, dict[int, set[str]]] = (-1, {})  # this step's verified blocks
         self.reads = 0  # sequence reads judged
         self.work = 0  # slots verified: what the reads cost
         self.shared = 0  # verified slots another request wrote (reads a cache hit or fork made)
@@ -70,6 +71,7 @@ class KVRecord:
         new.whole = dict(self.whole)  # its lists are replaced, never changed
         new.bumped = set()
         new._now = (-1, {})
+        new._seen = (-1, {})
         return new
 
     def copy(self, pairs: Sequence[Sequence[int]]) -> None:
@@ -150,6 +152,9 @@ class KVRecord:
             if was is not None and was[0] == b and was[1] == v and was[2] >= cnt:
                 continue
             bad = self._verify(seq, digests, b, i * bs, cnt)
+            if self._seen[0] != step:
+                self._seen = (step, {})
+            self._seen[1].setdefault(b, set()).add(seq)
             if was is None:
                 done.append((b, v, cnt, not bad))
             else:
@@ -197,19 +202,23 @@ class KVRecord:
         self.taint_writer(seq, origin or seq, step)
         return out
 
-    def taint_writer(self, seq: str, origin: str, step: int, bump: bool = True) -> None:
+    def taint_writer(self, seq: str, origin: str, step: int, every: bool = True) -> None:
         """seq read wrongly at step (origin: whose wrong read it took): its writes from this step
-        on carry the origin, unless it carries one already. bump: their blocks' versions move (a
-        reader that verified them re-verifies)."""
+        on carry the origin, unless it carries one already. Their blocks' versions move, so a
+        reader that verified them re-verifies: every one's, or (every=False) only those another
+        reader verified this step (the writer's own taint matches them)."""
         if seq in self.tainted:
             return
         self.tainted[seq], bs = origin, self.block_size
-        if self._now[0] == step:
-            for t in self._now[1].get(seq, ()):
-                self.taint[t] = origin
-                if bump:
-                    self.version[t // bs] += 1
-                    self.bumped.add(t // bs)
+        if self._now[0] != step:
+            return
+        seen = self._seen[1] if self._seen[0] == step else {}
+        for t in self._now[1].get(seq, ()):
+            self.taint[t] = origin
+            b = t // bs
+            if every or seen.get(b, set()) - {seq}:
+                self.version[b] += 1
+                self.bumped.add(b)
 
 
 Batch = tuple[list, list]  # (reads [(seq, n_ctx, blocks)], writes [(seq, pos, token, slot)])
@@ -311,9 +320,9 @@ class RankRecords:
         for _, rec in sorted(self.records.items()):
             for seq, o in rec.tainted.items():
                 origin.setdefault(seq, o)
-        for rec in self.records.values():  # no version moves: since this step's writes only
-            for seq, o in origin.items():  # their writer read them, whose own taint they match
-                rec.taint_writer(seq, o, step, bump=False)
+        for rec in self.records.values():  # a version moves where another reader verified it
+            for seq, o in origin.items():
+                rec.taint_writer(seq, o, step, every=False)
 
     def abort(self, step: int) -> None:
         """The step raised: what it may have written is unknown."""
