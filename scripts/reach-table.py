@@ -67,7 +67,8 @@ def row(fault: str, variant: str, scenario: str, runs: list[dict]) -> str:
             for p, cs in zip(paths, counts)
         )
         ok = [reached(r.get("exercised", {}), paths) for r in runs]
-        hit = f"{sum(ok)}/{len(ok)}" if len(ok) > 1 else ("yes" if ok[0] else "**no**")
+        hit = f"{sum(ok)}/{len(ok)}" if len(ok) > 1 else ("yes" if ok[0] else "no")
+        hit = hit if all(ok) else f"**{hit}**"
     if na:
         hit = "not applicable"
     verdict = _verdicts(verdicts)

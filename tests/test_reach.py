@@ -66,7 +66,7 @@ def test_a_row_says_the_path_its_count_and_the_verdict():
     not_reached = row("ordering_race", "cow_lag", "c", [_results("INCONCLUSIVE", cow=0)])
     assert "| copy_on_write_copies = 0 | **no** |" in not_reached
     seeds = row("ordering_race", "cow_lag", "c", [_results(), _results(cow=0)])
-    assert "copy_on_write_copies = 2/0 | 1/2 | 2/2 | PASS 2/2 |" in seeds
+    assert "copy_on_write_copies = 2/0 | **1/2** | 2/2 | PASS 2/2 |" in seeds
 
 
 def test_a_reference_only_variant_says_not_applicable_and_a_seam_says_so():
