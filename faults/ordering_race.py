@@ -53,6 +53,7 @@ class Truth(base.Truth):
     variant: NotRequired[str]
     late_copies: NotRequired[list[KVStep]]
     scrambled: NotRequired[list[KVStep]]
+    not_applicable: NotRequired[str]  # cow_lag on a manager without forks
 
 
 class OrderingRace(Fault):
@@ -122,6 +123,11 @@ class OrderingRace(Fault):
         self._fixes = engine.order_fixes
         self.triggers = Triggers(self, engine)
         self.triggers.plant(v, engine.seams)
+        self.na = None
+        if v == "cow_lag" and "fork" not in engine.capabilities:  # no fork: no copy-on-write
+            m = getattr(engine.bm, "manager", engine.bm)
+            self.na = f"cow_lag needs forks (copy-on-write): {type(m).__name__} declares no 'fork'"
+            emit("not_applicable", {"reason": self.na}, 0)
 
     def after_step(self, engine, step, output) -> None:
         waits = engine.counters["rank_sync_waits"]
@@ -193,6 +199,8 @@ class OrderingRace(Fault):
             out["variant"] = v
         if v in KV_VARIANTS:
             out["late_copies" if v == "cow_lag" else "scrambled"] = self.kv_steps
+        if getattr(self, "na", None):  # (only then: the record of every other run as before)
+            out["not_applicable"] = self.na
         return out
 
     def describe(self) -> dict:
@@ -220,6 +228,12 @@ class OrderingRace(Fault):
         if finding["checker"] == "oracle_divergence":
             live = {r for x in stale for r in x["requests"]}
             return "cause" if ev.get("req") in live else None
+        if finding["checker"] == "kv_reads" and finding.get("kind") == "poisoned_read":
+            # KV computed from a wrong read by a request live in a stale step, read on any rank
+            # (the wrong read's output is gathered from every rank)
+            live = {r for x in stale if x["step"] <= finding["step"] for r in x["requests"]}
+            if {ev.get("req"), ev.get("origin")} & live:
+                return "consequence"
         if finding["checker"] == "kv_reads":  # a rank's own record: it read or wrote stale
             lagged = {r for x in stale if x["step"] <= finding["step"] for r in x["ranks"]}
             now = next((x for x in stale if x["step"] == finding["step"]), {"ranks": []})
@@ -242,7 +256,7 @@ class OrderingRace(Fault):
 def _explains_kv(finding: dict, kv: list[dict], copies: bool) -> str | None:
     """cow_lag / scrambled: a read on the rank that computed wrong, by (or of KV written by) a
     request it touched, at or after it did; a divergence of such a request. A read of KV that a
-    wrong read fed (poisoned) is a consequence."""
+    wrong read by such a request fed (poisoned), on any rank, is a consequence."""
     s, ev = finding["step"], finding.get("evidence") or {}
     before = [x for x in kv if x["step"] <= s]
     if not before:
@@ -252,11 +266,11 @@ def _explains_kv(finding: dict, kv: list[dict], copies: bool) -> str | None:
         return "cause" if ev.get("req") in reqs else None
     if finding["checker"] != "kv_reads":
         return None
+    if finding.get("kind") == "poisoned_read":  # on any rank: the wrong read's output is gathered
+        return "consequence" if {ev.get("req"), ev.get("origin")} & reqs else None
     on_rank = [x for x in before if ev.get("rank") in x["ranks"]]
     if not on_rank:
         return None
-    if finding.get("kind") == "poisoned_read":
-        return "consequence" if {ev.get("req"), ev.get("origin")} & reqs else None
     blocks = {b for x in on_rank for b in x["blocks"]}
     mine = {ev.get("req"), ev.get("writer")} & {r for x in on_rank for r in x["requests"]}
     if ev.get("block") in blocks and (mine or copies):

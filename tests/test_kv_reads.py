@@ -118,6 +118,68 @@ def test_ordering_race_explains_the_reads_of_a_rank_it_delayed():
     assert explains(_finding(step=7, rank=0, block=9, req="r0"), truth) is None
 
 
+def test_ordering_race_explains_a_poisoned_read_on_any_rank_as_its_consequence():
+    """A wrong read's output is gathered from every rank: KV its reader wrote since is poisoned on
+    rank 0 too, and read there by a request the race never touched (a cache hit on its block)."""
+    late = {"late_copies": [{"step": 3, "ranks": [1], "requests": ["r2"], "blocks": [18]}]}
+    stale = {"stale": [{"step": 5, "ranks": [1], "requests": ["r0"]}]}
+    explains = OrderingRace.explains
+    for truth, origin, s in ((late, "r2", 3), (stale, "r0", 5)):
+        truth["touched"] = {"requests": [origin], "rows": [], "blocks": [18]}
+        poisoned = _finding("poisoned_read", step=12, rank=0, req="f6", block=18, origin=origin)
+        assert explains(poisoned, truth) == "consequence"
+        assert explains({**poisoned, "step": s - 1}, truth) is None  # before the race fired
+        elsewhere = _finding("poisoned_read", step=12, rank=0, req="f6", block=18, origin="r9")
+        assert explains(elsewhere, truth) is None  # another request's wrong read: not the race's
+    assert explains(_finding(step=12, rank=0, req="f6", block=18), late) is None  # not poisoned
+
+
+# soak seed 14, shrunk (kvchaos shrink): cow_lag's late copy on rank 1 makes r2 read wrongly at
+# step 4; f6, forked beside it, preempted and re-admitted, hits r2's block at step 13, whose KV
+# (written by r2 after that read) is poisoned on rank 0 as on rank 1. Before, rank 0's record
+# held it clean: f6's divergence at step 15 was explained by no planted fault (FAIL).
+SEED_14 = {
+    "scenario": {"name": "soak-14-min", "seeds": [14]},
+    "engine": {
+        "max_prefill_tokens": 36,
+        "tp_size": 2,
+        "async_scheduling": True,
+        "cache": {"block_size": 2, "max_blocks_per_seq": 16, "max_num_seqs": 6, "num_blocks": 36},
+    },
+    "workload": {
+        "num_requests": 9,
+        "fork_groups": 9,
+        "prompt_len": {"dist": "uniform", "min": 1, "max": 18},
+        "output_len": {"dist": "uniform", "min": 9, "max": 18},
+    },
+    "faults": [
+        {
+            "name": "ordering_race",
+            "defect": True,
+            "params": {"probability": 1.0, "variant": "cow_lag"},
+        }
+    ],
+    "expect": {
+        "outcome": "detect",
+        "checkers": ["kv_reads", "oracle_divergence", "prefix_cache", "table_integrity"],
+        "within_steps": {"ordering_race": 2},
+    },
+    "run": {"max_steps": 15},
+}
+
+
+def test_a_hit_on_kv_a_cow_lag_read_poisoned_is_the_races_consequence_on_every_rank():
+    run = run_scenario(parse_scenario(SEED_14, "<test>"), 14, report_dir=None)
+    assert run.verdict == "PASS", run.summary
+    reads = [e for e in run.events if e["e"] == "kv_read" and e["req"] == "f6"]
+    assert {(e["rank"], e["origin"], e["via_hit"]) for e in reads} == {(0, "r2", True)}
+    credits = run.results["credits"]
+    f6 = [c for c in credits if c["checker"] == "oracle_divergence" and c["step"] == 15]
+    assert f6 == [
+        {"checker": "oracle_divergence", "step": 15, "fault": "ordering_race", "how": "consequence"}
+    ]
+
+
 def _prefix_shared(caching: bool):
     sc = load_scenario("prefix-shared-clean")
     sc.engine.setdefault("cache", {})["prefix_caching"] = caching

@@ -198,3 +198,67 @@ def test_a_whole_block_read_before_is_read_again_once_anyone_writes_into_it():
     (bad,) = rec.read("a", ids, [3, 5], 8, 8)
     assert bad["block"] == 3 and bad["slots"] == [0, 1, 2, 3]
     assert rec.read("a", ids, [5, 5], 8, 9)[0]["index"] == 0  # other blocks: verified again
+
+
+def test_a_wrong_read_on_one_rank_poisons_the_readers_kv_on_every_rank():
+    """Attention outputs are gathered from every rank: a request that read wrongly on rank 1
+    writes KV computed from it on rank 0 too, and a later reader of that KV there (a cache hit
+    on its block) has read poisoned KV (soak seed 14: cow_lag, a hit on r2's block by f6)."""
+    rr = RankRecords(8, BS, world=2)
+    toks = {"a": PROMPT, "b": PROMPT + [1]}
+    rr.on_batch(0, *_batch("a", PROMPT, 0, 4, [1]))
+    assert rr.commit(1, toks.__getitem__) == []
+    # step 2: rank 1 reads a's block 1 at a copy's destination never written there (block 3)
+    rr.copy([(1, 3)], late=[1])
+    rr.on_batch(0, *_batch("a", PROMPT, 4, 4, [3, 2]))
+    rr.on_batch(1, *_batch("a", PROMPT, 4, 4, [3, 2]))
+    out = rr.commit(2, toks.__getitem__)
+    assert [(f["rank"], f["block"], f["writer"]) for f in out] == [(1, 3, None)]
+    # step 3: b hits a's blocks; on rank 0 their positions 4..7 are a's KV, computed from the
+    # wrong read on rank 1
+    rr.copy_on(1, [(1, 3)])
+    rr.hit("b", [3, 2])
+    rr.on_batch(0, *_batch("b", toks["b"], 8, 1, [3, 2, 4]))
+    out = rr.commit(3, toks.__getitem__)
+    assert {(f["rank"], f["block"], f["writer"], f["origin"]) for f in out} == {
+        (r, 2, "a", "a") for r in (0, 1)
+    }
+
+
+def test_tainting_across_ranks_moves_no_version_only_its_writer_read():
+    """The taint lands on the writes of the step that read wrongly; read since by their writer
+    alone, rank 0's versions are those of a run where rank 1 read right (the record's cost, and
+    so a run's history, as before)."""
+    toks, seen = {"a": PROMPT}, []
+    for late in ([1], []):
+        rr = RankRecords(8, BS, world=2)
+        rr.on_batch(0, *_batch("a", PROMPT, 0, 4, [1]))
+        rr.commit(1, toks.__getitem__)
+        rr.copy([(1, 3)], late=late)
+        rr.on_batch(0, *_batch("a", PROMPT, 4, 4, [3, 2]))
+        rr.on_batch(1, *_batch("a", PROMPT, 4, 4, [3, 2]))
+        out = rr.commit(2, toks.__getitem__)
+        seen.append((len(out), list(rr.records[0].version), dict(rr.records[0].tainted)))
+    (wrong, v_wrong, t_wrong), (right, v_right, t_right) = seen
+    assert (wrong, right) == (1, 0) and v_wrong == v_right
+    assert t_wrong == {"a": "a"} and t_right == {}
+
+
+def test_a_same_step_reader_of_kv_tainted_across_ranks_reads_it_again():
+    """b hits a's blocks in the step a reads wrongly on rank 1: judged before the taint crossed,
+    b's read on rank 0 holds that step, and its next read of the block verifies it again."""
+    rr = RankRecords(8, BS, world=2)
+    toks = {"a": PROMPT, "b": PROMPT + [1]}
+    rr.on_batch(0, *_batch("a", PROMPT, 0, 4, [1]))
+    rr.commit(1, toks.__getitem__)
+    rr.copy([(1, 3)], late=[1])  # rank 1: block 3 not yet copied there
+    reads, writes = _batch("a", PROMPT, 4, 4, [3, 2])
+    rr.on_batch(0, reads + [("b", 8, [3, 2])], writes)  # b reads block 2, written this step
+    rr.on_batch(1, reads, writes)
+    assert [(f["rank"], f["req"]) for f in rr.commit(2, toks.__getitem__)] == [(1, "a")]
+    rr.copy_on(1, [(1, 3)])
+    rr.on_batch(0, [("b", 8, [3, 2])], [])
+    out = rr.commit(3, toks.__getitem__)
+    assert {(f["rank"], f["req"], f["block"], f["origin"]) for f in out} == {
+        (r, "b", 2, "a") for r in (0, 1)
+    }

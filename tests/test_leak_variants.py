@@ -8,21 +8,13 @@ import pytest
 
 from kvchaos.faults import REGISTRY
 from kvchaos.faults.leak_variants import RATE_STRIDE, VARIANTS
+from kvchaos.harness.check import reach
+from kvchaos.harness.check.reach import REACH as ALL_REACH
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import load_scenario
 
 # variant -> the path of results.json["exercised"] its clean trigger must reach (> 0)
-REACH = {
-    "prefill": ("cancels_prefill",),
-    "decode": ("cancels_decode",),
-    "shared": ("leak_paths", "frees_all_shared"),
-    "partial": ("leak_paths", "frees_partly_shared"),
-    "preempted": ("preemption_releases",),
-    "retry": ("leak_paths", "cancels_after_refused_admission"),
-    "rate": ("leak_paths", "cancels"),
-    "waiting": ("leak_paths", "cancels_waiting_holding"),
-    "engine_abort": ("leak_paths", "engine_aborts"),
-}
+REACH = {v: p for v, p in ALL_REACH["refcount_leak"].items() if v != "any"}
 
 
 def _passes(r) -> bool:
@@ -37,12 +29,6 @@ def _passes(r) -> bool:
 
 def _scenario(variant: str, outcome: str):
     return load_scenario(f"refcount-leak-{variant.replace('_', '-')}-{outcome}")
-
-
-def _reach(exercised: dict, path: tuple) -> int:
-    for k in path:
-        exercised = exercised[k]
-    return exercised
 
 
 @pytest.mark.parametrize("variant", sorted(REACH))
@@ -61,7 +47,7 @@ def test_clean_pulls_the_trigger_holds_and_reaches_the_path(variant):
     truth = r.results["fault_verify"]["refcount_leak"]
     assert not [f for f in r.findings if f.checker != "latency"], r.summary
     assert truth["triggered"] > 0 and not truth["fired"] and truth["remediated"] > 0
-    assert _reach(r.results["exercised"], REACH[variant]) > 0
+    assert reach.reached(r.results["exercised"], REACH[variant])
 
 
 def test_rate_leaks_about_one_cancel_in_twenty():

@@ -52,6 +52,21 @@ def test_each_clean_twin_holds_with_its_trigger_pulled(variant):
     assert run.results["exercised"][REACH[variant]] > 0  # the manager path the variant breaks
 
 
+def test_cow_lag_under_a_manager_without_forks_says_it_does_not_apply():
+    from tests.managers import WithoutFork
+
+    r = run_scenario(
+        load_scenario(_scenario("cow_lag", "clean")), 0, report_dir=None, block_manager=WithoutFork
+    )
+    truth = r.results["fault_verify"]["ordering_race"]
+    assert truth["not_applicable"] == (
+        "cow_lag needs forks (copy-on-write): WithoutFork declares no 'fork'"
+    )
+    assert r.verdict == "INCONCLUSIVE" and "cow_lag needs forks" in r.summary
+    on_ref = run_scenario(load_scenario(_scenario("cow_lag", "clean")), 0, report_dir=None)
+    assert "not_applicable" not in on_ref.results["fault_verify"]["ordering_race"]
+
+
 def test_a_stale_row_never_read_is_reported_latent_never_manifest():
     run = run_scenario(load_scenario(_scenario("stale_unread", "detect")), 0, report_dir=None)
     assert run.verdict == "PASS", run.summary

@@ -5,8 +5,9 @@ and named by its READER (a holder that never read the slot is named nowhere).
 Slot identity: D(seq, p) = blake2b-8(D(seq, p - 1) || token p), kept per request as its tokens
 arrive (independent of any manager's hash). A reader at position p is right iff the slot its
 table names holds D(reader, p): the same position after the same whole prefix, whoever wrote it.
-Taint: once a request reads wrongly, every slot it writes from that step on carries the origin;
-another reader matching such a slot has read KV computed from wrong KV (poisoned).
+Taint: once a request reads wrongly, on any rank (attention outputs are gathered from every rank),
+every slot it writes from that step on, on every rank, carries the origin; another reader
+matching such a slot has read KV computed from wrong KV (poisoned).
 
 Pure: no torch. LiveRun feeds it the engine's on_batch seam (engine/seams.py) and `cow` events."""
 
@@ -56,6 +57,7 @@ class KVRecord:
         self.whole: dict[str, tuple[list[int], list[int]]] = {}  # reader -> whole entries read
         self.tainted: dict[str, str] = {}  # reader -> origin of the wrong read it made or took
         self._now: tuple[int, dict[str, list[int]]] = (-1, {})  # this step's writes, by writer
+        self._seen: tuple[int, dict[int, set[str]]] = (-1, {})  # this step's verified blocks
         self.reads = 0  # sequence reads judged
         self.work = 0  # slots verified: what the reads cost
         self.shared = 0  # verified slots another request wrote (reads a cache hit or fork made)
@@ -69,6 +71,7 @@ class KVRecord:
         new.whole = dict(self.whole)  # its lists are replaced, never changed
         new.bumped = set()
         new._now = (-1, {})
+        new._seen = (-1, {})
         return new
 
     def copy(self, pairs: Sequence[Sequence[int]]) -> None:
@@ -149,6 +152,9 @@ class KVRecord:
             if was is not None and was[0] == b and was[1] == v and was[2] >= cnt:
                 continue
             bad = self._verify(seq, digests, b, i * bs, cnt)
+            if self._seen[0] != step:
+                self._seen = (step, {})
+            self._seen[1].setdefault(b, set()).add(seq)
             if was is None:
                 done.append((b, v, cnt, not bad))
             else:
@@ -193,14 +199,26 @@ class KVRecord:
         }
         if w is not None and self.ident[s] is None:
             out["torn"] = True  # written in a step that raised: its content is unknown
-        if seq not in self.tainted:  # its writes from this step on carry the origin
-            self.tainted[seq] = origin or seq
-            if self._now[0] == step:
-                for t in self._now[1].get(seq, ()):
-                    self.taint[t] = origin or seq
-                    self.version[t // bs] += 1
-                    self.bumped.add(t // bs)
+        self.taint_writer(seq, origin or seq, step)
         return out
+
+    def taint_writer(self, seq: str, origin: str, step: int, every: bool = True) -> None:
+        """seq read wrongly at step (origin: whose wrong read it took): its writes from this step
+        on carry the origin, unless it carries one already. Their blocks' versions move, so a
+        reader that verified them re-verifies: every one's, or (every=False) only those another
+        reader verified this step (the writer's own taint matches them)."""
+        if seq in self.tainted:
+            return
+        self.tainted[seq], bs = origin, self.block_size
+        if self._now[0] != step:
+            return
+        seen = self._seen[1] if self._seen[0] == step else {}
+        for t in self._now[1].get(seq, ()):
+            self.taint[t] = origin
+            b = t // bs
+            if every or seen.get(b, set()) - {seq}:
+                self.version[b] += 1
+                self.bumped.add(b)
 
 
 Batch = tuple[list, list]  # (reads [(seq, n_ctx, blocks)], writes [(seq, pos, token, slot)])
@@ -287,9 +305,24 @@ class RankRecords:
                 for f in rec.read(seq, chains[seq], blocks, n, step):
                     f["rank"], f["via_hit"] = r, f["block"] in self.hits.get(seq, ())
                     out.append(f)
+        self._taint_across(step)
         if self.late:
             self._land(step, tokens_of)
         return out
+
+    def _taint_across(self, step: int) -> None:
+        """A wrong read on one rank is wrong on all: each layer's attention output is gathered
+        from every rank, so the reader's hidden state, and the KV it writes on every rank from
+        this step on, carries the origin of the first wrong read found for it."""
+        if len(self.records) < 2:
+            return
+        origin: dict[str, str] = {}
+        for _, rec in sorted(self.records.items()):
+            for seq, o in rec.tainted.items():
+                origin.setdefault(seq, o)
+        for rec in self.records.values():  # a version moves where another reader verified it
+            for seq, o in origin.items():
+                rec.taint_writer(seq, o, step, every=False)
 
     def abort(self, step: int) -> None:
         """The step raised: what it may have written is unknown."""
