@@ -279,13 +279,13 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
         _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
         _share_prefixes(cache, workload, random.Random(f"{seed}/soak/prefix"))
-    if leak is not None and "variant" in leak["params"]:
-        _fit_leak_variant(engine, leak)
-    if cache.get("prefix_caching") and "cancel" in workload:
-        _prefix_shapes(workload, random.Random(f"{seed}/soak/shapes"))
     if "async_free" in names:
         fault = next(f for f in faults if f["name"] == "async_free")
         _fit_async_free(engine, workload, fault, "staging_stall" in names)
+    if leak is not None and "variant" in leak["params"]:  # after async_free's: retry's pool
+        _fit_leak_variant(engine, leak)  # floor wins over a preempt draw's small pool
+    if cache.get("prefix_caching") and "cancel" in workload:
+        _prefix_shapes(workload, random.Random(f"{seed}/soak/shapes"))
     planted = [f["name"] for f in faults if f["defect"]]
     if planted:
         params = {f["name"]: f["params"] for f in faults}
@@ -376,7 +376,8 @@ def _fit_leak_variant(engine: dict, fault: dict) -> None:
     elif v == "retry":
         cache["prefix_caching"] = True
         cache["max_num_seqs"] = max(cache["max_num_seqs"], 6)
-        mpt = max(bs, min(engine["max_prefill_tokens"], (width - 4) * bs))
+        # a cut chunk ends inside a block: what partial_key's trigger needs, if it is drawn too
+        mpt = max(bs, min(engine["max_prefill_tokens"], (width - 4) * bs - 1))
         engine["max_prefill_tokens"] = mpt
         need = 3 + -(-mpt // bs)
         cache["max_blocks_per_seq"] = width = max(width, need + 4)
