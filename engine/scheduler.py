@@ -26,6 +26,7 @@ class Scheduler:
         self.engine = engine
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.idle: list[Sequence] = []  # paused, holding blocks (on either tier)
         self.audit = Audit(engine)  # the plan's estimates against what the calls took
 
     # -- the queues ----------------------------------------------------------------------------
@@ -41,6 +42,8 @@ class Scheduler:
         """Out of its queue (finished or cancelled)."""
         if seq.state is State.RUNNING:
             self.running.remove(seq)
+        elif seq.state is State.IDLE:
+            self.idle.remove(seq)
         else:
             self.waiting.remove(seq)
 
@@ -50,11 +53,26 @@ class Scheduler:
         self.running.remove(seq)
         self.audit.release(seq)
         self.engine.preempted(seq, why)
-        seq.state, seq.num_computed = State.PREEMPTED, 0
+        seq.state = State.PREEMPTED
+        if seq.tier == "device":  # stored out (a host tier) it is restored, not recomputed
+            seq.num_computed = 0
+        self.waiting.appendleft(seq)
+
+    def pause(self, seq: Sequence, step: int) -> None:
+        """A running sequence sits idle, holding its blocks, until resumed."""
+        self.running.remove(seq)
+        seq.state, seq.idle_since = State.IDLE, step
+        self.idle.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """An idle sequence waits again, first in line as a preempted one (it holds blocks, on
+        either tier: served before anyone new)."""
+        self.idle.remove(seq)
+        seq.state = State.WAITING
         self.waiting.appendleft(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.idle)
 
     # -- a step --------------------------------------------------------------------------------
     def schedule(self) -> tuple[list, list, list[str]]:
@@ -100,8 +118,12 @@ class Scheduler:
                     budget -= n
                     free -= need
         rows = engine.table.num_free_rows
-        while self.waiting and budget > 0 and rows > 0:
+        while self.waiting and budget > 0:
             s = self.waiting[0]
+            if s.tier != "device":
+                break  # stored out, or its restore in flight: the head waits for its blocks
+            if rows <= 0 and not s.holds:  # one resumed (idle, restored) has its row
+                break
             n = min(s.uncomputed, budget)
             need = estimate(s, n)
             if need > free - engine.watermark_blocks:
@@ -112,7 +134,7 @@ class Scheduler:
             prefill.append((s, n))
             budget -= n
             free -= need
-            rows -= 1
+            rows -= not s.holds
         return decode, prefill, preempted
 
     def reserve(self, decode: list, prefill: list, preempted: list[str]):

@@ -10,6 +10,8 @@ class State(enum.Enum):
     WAITING = "waiting"  # never scheduled yet, or waiting for room
     RUNNING = "running"  # holds blocks: prefilling (more than one token to compute) or decoding
     PREEMPTED = "preempted"  # blocks taken back; recomputes from scratch when readmitted
+    # (with a host tier: stored out, restored when readmitted)
+    IDLE = "idle"  # paused holding its blocks (a session's think time), resumed by the workload
     FINISHED = "finished"
     CANCELLED = "cancelled"
 
@@ -25,6 +27,8 @@ class Sequence:
     holds: bool = False  # admitted (or forked) and not yet released: the manager holds its blocks
     hit_tokens: int = 0  # tokens its last admission found computed (prefix cache hits)
     parent: str | None = None  # forked from (shares its blocks until written)
+    tier: str = "device"  # with a host tier: device | storing | host | restoring
+    idle_since: int = 0  # the step it paused at
 
     @property
     def num_generated(self) -> int:

@@ -12,6 +12,7 @@ from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import InvalidRequest, RequestRejected
 from kvchaos.engine.sequence import State
 from kvchaos.faults import make_fault
+from kvchaos.faults.plan import Action
 from kvchaos.harness.check.snapshots import judge
 from kvchaos.harness.history.log import History
 from kvchaos.harness.run.cache_state import CacheWatch
@@ -268,7 +269,8 @@ class LiveRun:
     def _waits(self, a) -> bool | None:
         """True: a waits for its target's phase; None: drop it; False: do it now. A fork or
         cancel of an ended request is dropped; a turn, or a submit `after` one, goes ahead."""
-        target = a.req if a.op == "cancel" else a.after if a.op == "submit" else a.parent
+        own = ("cancel", "pause", "resume")
+        target = a.req if a.op in own else a.after if a.op == "submit" else a.parent
         if target is None:
             return False
         seq = self.engine.seqs.get(target)
@@ -333,6 +335,14 @@ class LiveRun:
                 self.planned[a.req] = self._continued(a)
                 e.add_request(a.req, e.seqs[a.parent].tokens + list(a.prompt), a.max_new)
                 self._submitted(a, step, len(e.seqs[a.req].tokens), parent=None, turn_of=a.parent)
+            elif a.op == "pause":  # a session's think time: idle, resumed after it
+                if e.pause(a.req):
+                    back = step + max(1, a.max_new)
+                    self.actions.setdefault(back, []).append(
+                        Action(back, "resume", a.req, origin=a.origin)
+                    )
+            elif a.op == "resume":
+                e.resume(a.req)
             elif a.op == "cancel":
                 seq = e.seqs.get(a.req)
                 if seq is None or seq.done:
