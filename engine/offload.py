@@ -240,9 +240,11 @@ class TierSteps:
             for s in list(sched.idle):
                 if s.tier == "device" and step - s.idle_since >= cold:
                     self._tier_store(s, "cold")
-        for s in list(sched.waiting):
-            if s.tier == "host" and not self._tier_restore(s):
-                break  # first in line waits for room, nobody overtakes it
+        head = sched.waiting[0] if sched.waiting else None
+        # the first in line, once its blocks and its next token fit (nobody overtakes it)
+        if head is not None and head.tier == "host":
+            if self.bm.num_free_blocks > len(tier.tiers[head.id]):
+                self._tier_restore(head)
         self._tier_telemetry()
 
     # -- sessions: idle sequences (the workload's think time) ---------------------------

@@ -85,6 +85,20 @@ class Scheduler:
             self.preempt(victim)
             decode, prefill, more = self._plan()
             preempted = preempted + [victim.id] + more
+        while not decode and not prefill and not self.running and self.waiting:
+            # Nothing runs and the head lacks room: sequences that hold blocks without running
+            # (idle, or resumed and waiting) give the newest back (stored out with a host tier)
+            held = [s for s in (*self.waiting, *self.idle) if s.holds and s.tier == "device"]
+            if not held:
+                break
+            victim = held[-1]
+            self.engine.preempted(victim, "preempt")
+            if victim.tier == "device":
+                victim.num_computed = 0
+            if victim.state is not State.IDLE:
+                victim.state = State.PREEMPTED
+            decode, prefill, more = self._plan()
+            preempted = preempted + [victim.id] + more
         return decode, prefill, preempted
 
     def _estimate(self, s: Sequence, n: int) -> int:
