@@ -73,9 +73,12 @@ def tier_saving(name: str = SAVING_SCENARIO, seed: int = 0) -> dict:
         r = run_scenario(s, seed, report_dir=None)
         n = s.engine_config().cache.num_blocks
         out[key] = peak_device_blocks(r.events, n)
+        used = [n - e["free_blocks"] for e in r.events if e.get("e") == "step"]
+        out[f"{key}_mean"] = round(sum(used) / max(1, len(used)), 1)
         out[f"{key}_verdict"] = r.verdict
         concurrency = [e["running"] for e in r.events if e.get("e") == "step"]
         out[f"{key}_max_running"] = max(concurrency, default=0)
     out["requests"] = sc.workload.num_requests
     out["saving"] = 1 - out["with_tier"] / max(1, out["without_tier"])
+    out["mean_saving"] = 1 - out["with_tier_mean"] / max(1.0, out["without_tier_mean"])
     return out

@@ -72,9 +72,7 @@ def check_offload(events: list[dict]) -> CheckResult:
 
 def _restore_reads(step: int, d: dict, stored: dict) -> list[Finding]:
     """The host slots a restore reads hold what the store copied into them."""
-    bad = [
-        (s, b) for (s, b), c in zip(d["pairs"], d["crcs"]) if s in stored and stored[s] != c
-    ]
+    bad = [(s, b) for (s, b), c in zip(d["pairs"], d["crcs"]) if s in stored and stored[s] != c]
     if not bad:
         return []
     return [
@@ -155,8 +153,7 @@ def _tiers(e: dict, flight: dict, where: dict) -> list[Finding]:
                 _finding(
                     step,
                     "tier_map",
-                    f"request {req} is stored out but still holds device blocks "
-                    f"{devices[req][:8]}",
+                    f"request {req} is stored out but still holds device blocks {devices[req][:8]}",
                     req=req,
                     blocks=devices[req],
                 )
