@@ -271,7 +271,7 @@ class BlockManager:
         self._free_rows.append(row)
         return True
 
-    # -- the host tier ("offload"; docs/protocol-v2.md section 7) -----------------------
+    # -- the host tier ("offload"; docs/protocol-v2.md section 10) -----------------------
     @property
     def host_blocks(self) -> int:
         return self.host.num_blocks if self.host is not None else 0

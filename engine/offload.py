@@ -2,7 +2,7 @@
 hierarchical cache: a second, larger pool in host memory (pinned on CUDA, plain on the CPU) per
 rank, same layout as the device pool. Preempted requests are stored out instead of recomputed,
 and cold ones (idle `cold_steps` steps) are stored out; both are restored when they run again.
-The manager places blocks on either tier (capability "offload", docs/protocol-v2.md section 7);
+The manager places blocks on either tier (capability "offload", docs/protocol-v2.md section 10);
 the engine copies and keeps the tier map beside the table (each logical block of a sequence:
 device, host, or in flight). The kernels only ever read device-tier blocks: a sequence is
 scheduled once its restore completed.

@@ -185,7 +185,7 @@ class OwnTable(Protocol):  # "own_table": the manager writes the table the kerne
 
 @runtime_checkable
 class Offload(Protocol):  # "offload": a host tier the engine stores blocks out to and back
-    # (docs/protocol-v2.md section 7). store: (device block, host slot) pairs for the blocks of
+    # (docs/protocol-v2.md section 10). store: (device block, host slot) pairs for the blocks of
     # the first num_tokens tokens, the device blocks held until offload_done; restore: (host
     # slot, new device block) pairs, the host slots held until offload_done. Atomic: OutOfBlocks
     # (no room) changes nothing. release frees both tiers.
