@@ -99,6 +99,8 @@ class HostTier:
     copies: dict[str, Copy] = field(default_factory=dict)  # one copy in flight per sequence
     tiers: dict[str, list[list]] = field(default_factory=dict)  # seq -> [tier, id] per block
     traffic: dict[str, int] = field(default_factory=lambda: {"stored": 0, "restored": 0})
+    # this step: sequences computed while their restore was in flight (req, blocks, issued)
+    reads: list[tuple[str, list[int], int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, device_pools: list, host_blocks: int, latency: int) -> HostTier:
@@ -221,6 +223,15 @@ class TierSteps:
             tier.traffic["restored"] += len(c.pairs)
         self.seams.on_event("offload_landed", dict(ev))
 
+    def _tier_reads(self, decode: list, prefill: list) -> None:
+        """Note the step's sequences computed on blocks whose restore is still in flight (the
+        kernels read them: what the harness checks the tier map against)."""
+        copies = self.tier.copies
+        for s in (*decode, *(p for p, _ in prefill)):
+            c = copies.get(s.id)
+            if c is not None and c.kind == "restore":
+                self.tier.reads.append((s.id, [b for _, b in c.pairs], c.issued))
+
     def _tier_settle(self, seq) -> None:
         """seq leaves (or is stored) while its copy is in flight: the copy completes first."""
         c = self.tier.copies.pop(seq.id, None)
@@ -232,7 +243,7 @@ class TierSteps:
         """The step's start: due copies complete, cold sequences are stored out, waiting stored
         sequences restored (in queue order, while there is room), then the tier's telemetry."""
         tier, step, sched = self.tier, self.step_count, self.scheduler
-        tier.traffic = {"stored": 0, "restored": 0}
+        tier.traffic, tier.reads = {"stored": 0, "restored": 0}, []
         for req in [q for q, c in tier.copies.items() if c.due <= step]:
             self._tier_land(tier.copies.pop(req))
         cold = self.config.offload.cold_steps

@@ -124,18 +124,15 @@ class Offload(Fault):
     def after_step(self, engine, step: int, output) -> None:
         if not self.flipped:
             return
-        copies = engine.tier.copies
-        for req in list(self.flipped):
-            c = copies.get(req)
-            if c is None or c.kind != "restore":
-                del self.flipped[req]  # completed before it computed: nothing read early
-            elif req in output.tokens:
-                blocks = [b for _, b in c.pairs]
+        for req, blocks, _ in engine.tier.reads:  # the engine's own note, as it computed
+            if self.flipped.pop(req, None) is not None:
                 d = {"step": step, "req": req, "blocks": blocks}
                 self.raced.append(d)
                 self.touch(requests=[req], blocks=blocks)
                 self.fired(step, d)
-                del self.flipped[req]
+        copies = engine.tier.copies
+        for req in [q for q in self.flipped if q not in copies]:
+            del self.flipped[req]  # completed before it computed: nothing read early
 
     def verify(self) -> dict:
         return {

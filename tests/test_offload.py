@@ -160,7 +160,7 @@ def test_the_checker_names_a_store_that_read_early_and_a_read_in_flight():
         _ev(1, "offload_store", req="a", why="cold", pairs=[[3, 0]], due=2, crcs=[7], fenced=0),
         _ev(2, "offload_landed", req="a", kind="store", issued=1, pairs=[[3, 0]], crcs=[8]),
         _ev(3, "offload_restore", req="a", pairs=[[0, 5]], due=4, crcs=[7], flipped=True),
-        {"e": "step", "step": 3, "tokens": {"a": 1}},
+        {"e": "tier_read", "step": 3, "req": "a", "blocks": [5], "issued": 3},
         _ev(4, "offload_landed", req="a", kind="restore", issued=3, pairs=[[0, 5]], crcs=[7]),
     ]
     kinds = [(f.kind, f.evidence["req"]) for f in check_offload(events).findings]

@@ -47,23 +47,21 @@ def check_offload(events: list[dict]) -> CheckResult:
                 issued = flight.pop(d["req"], None)
                 found += _landed(step, d, issued, stored)
                 where[d["req"]] = "host" if d["kind"] == "store" else "device"
-        elif kind == "step" and flight:
-            for req in e.get("tokens", {}):
-                c = flight.get(req)
-                if c is not None and c["kind"] == "restore" and not c.get("told"):
-                    c["told"] = True
-                    found.append(
-                        _finding(
-                            e["step"],
-                            "read_in_flight",
-                            f"request {req} computed on its restored blocks "
-                            f"{[b for _, b in c['pairs']][:8]} at step {e['step']}, before their "
-                            f"copy from the host tier (issued at step {c['step']}) completed",
-                            req=req,
-                            blocks=[b for _, b in c["pairs"]],
-                            issued=c["step"],
-                        )
-                    )
+        elif kind == "tier_read":
+            c = flight.get(e["req"])
+            found.append(
+                _finding(
+                    e["step"],
+                    "read_in_flight",
+                    f"request {e['req']} computed on its restored blocks {e['blocks'][:8]} at "
+                    f"step {e['step']}, before their copy from the host tier (issued at step "
+                    f"{e['issued']}) completed",
+                    req=e["req"],
+                    blocks=e["blocks"],
+                    issued=e["issued"],
+                    restoring=c is not None,
+                )
+            )
         elif kind == "snapshot" and "host_blocks" in e:
             checked += 1
             found += _tiers(e, flight, where)

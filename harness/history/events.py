@@ -240,6 +240,17 @@ class ForeignWrite(TypedDict):
     ranks: list[int]
 
 
+class TierRead(TypedDict):
+    """A host tier: a sequence computed (its blocks read) while its restore was in flight (the
+    harness's look at the engine's writes and the tier's copies, after the step)."""
+
+    e: Literal["tier_read"]
+    step: int
+    req: str
+    blocks: list[int]  # the device blocks the restore had not finished writing
+    issued: int  # the step the restore was issued at
+
+
 class UnslottedWrite(TypedDict):
     e: Literal["unslotted_write"]  # positions whose KV was written with no slot reserved
     step: int
@@ -343,6 +354,7 @@ Event = Union[
     CacheMismatch,
     HitMismatch,
     ForeignWrite,
+    TierRead,
     UnslottedWrite,
     Oracle,
     Reference,

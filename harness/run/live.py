@@ -412,6 +412,10 @@ class LiveRun:
                 self._check_reads(st.step)
             if self.observe and out.stats.decode_tokens + out.stats.prefill_tokens:
                 self._check_writes(st.step)
+            if self.observe and e.tier is not None:  # computed on a restore in flight
+                for req, blocks, issued in e.tier.reads:
+                    ev = {"step": st.step, "req": req, "blocks": blocks, "issued": issued}
+                    h.append({"e": "tier_read", **ev})
             if self.observe and e.inflight is not None and e.inflight.landed:
                 self._check_landed(st.step)
             for f in self.faults:
