@@ -86,6 +86,10 @@ class BlockManager:
         self.host = BlockPool(host_blocks) if host_blocks > 0 else None
         self.host_slots: dict[str, list[int]] = {}  # seq -> its host slots, in logical order
         self.copying: dict[str, str] = {}  # seq -> "store" | "restore" until offload_done
+        # set (a planted bug, faults/offload.py host_slot_freed): host_frees_early(seq_id) says
+        # a completed store gives its host slots back while the sequence still needs them
+        self.host_frees_early: Callable[[str], bool] | None = None
+        self._freed_early: dict[str, set[int]] = {}  # seq -> its slots so given back (once)
         if self.host is not None:
             self.capabilities = type(self).capabilities | {"offload"}
 
@@ -323,6 +327,10 @@ class BlockManager:
         if kind == "restore":
             self._release_host(seq_id)
             return
+        if self.host_frees_early is not None and self.host_frees_early(seq_id):
+            for slot in self.host_slots[seq_id]:
+                self.host.decref(slot)
+            self._freed_early[seq_id] = set(self.host_slots[seq_id])
         blocks, row = self.blocks.pop(seq_id), self.rows.pop(seq_id)
         self.table.clear(row, len(blocks))
         for b in reversed(blocks):
@@ -331,8 +339,10 @@ class BlockManager:
 
     def _release_host(self, seq_id: str) -> None:
         self.copying.pop(seq_id, None)
+        given = self._freed_early.pop(seq_id, ())
         for slot in self.host_slots.pop(seq_id, ()):
-            self.host.decref(slot)
+            if slot not in given:
+                self.host.decref(slot)
 
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows = self.table.rows

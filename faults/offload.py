@@ -10,12 +10,16 @@ back asynchronously, and the copies are not ordered with the compute or the tabl
   restore_race          KV restored from the CPU copy corrupted under load (vLLM #45704, #31210,
                         Dynamo #5068): the table flips to the restored blocks, and the request
                         computes, before the host-to-device copy completed.
+  host_slot_freed       a completed store gives its host slots back to the host pool while the
+                        request stored out still needs them (an offload cache evicting blocks a
+                        pending load references, the class of vLLM #31210): the next store
+                        overwrites them, and the restore reads another request's KV.
 
 The trigger (a store while the step in flight wrote the blocks; a restore) is the same in clean
 and detect runs; the remediation orders the copy after the compute (a fence, counted), and
 schedules a restored request once its copy completed. Ground truth comes from the engine: the
 store that read early and the blocks it read; the restored request that computed while its copy
-was in flight."""
+was in flight; the stored request whose host slots were given back."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing_extensions import NotRequired, TypedDict
 from kvchaos.faults import base
 from kvchaos.faults.base import Fault, OneOf, ParamError
 
-VARIANTS = ("store_before_compute", "restore_race")
+VARIANTS = ("store_before_compute", "restore_race", "host_slot_freed")
 TEXT = {  # variant: (root cause, remediation), as an incident quotes them
     "store_before_compute": (
         "The device-to-host store of a request's blocks was issued while the step still "
@@ -42,6 +46,13 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Flip the table (schedule the request) only once the restore's copy completed; track "
         "completion per block.",
     ),
+    "host_slot_freed": (
+        "A completed store returned its host slots to the host pool while the request stored "
+        "out still referenced them: another store was handed them and overwrote the copy, and "
+        "the request restored from them read another request's KV (the class of vllm#31210).",
+        "Free a host slot only when no stored request or pending load references it (after its "
+        "restore completed, or on release).",
+    ),
 }
 
 
@@ -51,9 +62,16 @@ class Early(TypedDict):
     blocks: list[int]
 
 
+class Freed(TypedDict):
+    step: int
+    req: str  # stored out, its host slots given back
+    slots: list[int]
+
+
 class Truth(base.Truth):
     early: NotRequired[list[Early]]
     raced: NotRequired[list[Early]]  # restore_race: computed before its restore completed
+    freed: NotRequired[list[Freed]]  # host_slot_freed: slots given back while held
 
 
 class Offload(Fault):
@@ -91,10 +109,14 @@ class Offload(Fault):
         self.early: list[dict] = []
         self.raced: list[dict] = []
         self.flipped: dict[str, int] = {}  # req -> the step its restore was issued
-        if self.p["variant"] == "store_before_compute":
+        self.freed: list[dict] = []
+        variant = self.p["variant"]
+        if variant == "store_before_compute":
             engine.seams.store_early = self._store_early
-        else:
+        elif variant == "restore_race":
             engine.seams.restore_flip = self._flip
+        else:  # the manager's own seam (the plain reference's)
+            engine.bm.host_frees_early = self._frees_early
 
     def _store_early(self, seq, why: str) -> bool:
         """The hazard window: a store of blocks the step in flight still writes."""
@@ -121,6 +143,20 @@ class Offload(Fault):
         self.flipped[seq.id] = step
         return True
 
+    def _frees_early(self, req: str) -> bool:
+        """The hazard window: a store completed, its request stored out, slots still held."""
+        step = self.engine.step_count
+        self.trigger(step, {"req": req})
+        if not self.defect:
+            self.remediated += 1  # the slots stay held until the restore completed
+            return False
+        slots = list(self.engine.bm.host_slots[req])
+        d = {"step": step, "req": req, "slots": slots}
+        self.freed.append(d)
+        self.touch(requests=[req])
+        self.fired(step, d)
+        return True
+
     def after_step(self, engine, step: int, output) -> None:
         if not self.flipped:
             return
@@ -140,21 +176,26 @@ class Offload(Fault):
             "variant": self.p["variant"],
             "early": getattr(self, "early", []),
             "raced": getattr(self, "raced", []),
+            "freed": getattr(self, "freed", []),
         }
 
     @classmethod
     def explains(cls, finding: dict, truth: dict) -> str | None:
         s, ev, kind = finding["step"], finding.get("evidence") or {}, finding.get("kind")
-        done = [x for x in truth.get("early", []) + truth.get("raced", []) if x["step"] <= s]
+        done = [x for k in ("early", "raced", "freed") for x in truth.get(k, []) if x["step"] <= s]
         reqs = {x["req"] for x in done}
         if not reqs:
             return None
+        variant = truth.get("variant")
         if finding.get("checker") == "offload":
-            if truth.get("variant") == "store_before_compute":
+            if variant == "store_before_compute":
                 return "cause" if kind == "store_content" and ev.get("req") in reqs else None
-            if kind in ("read_in_flight", "restore_content") and ev.get("req") in reqs:
-                return "cause"
-            return None
+            if variant == "restore_race":
+                named = kind in ("read_in_flight", "restore_content") and ev.get("req") in reqs
+                return "cause" if named else None
+            slots = {x for d in done for x in d.get("slots", ())}
+            mine = ev.get("req") in reqs or bool(slots & set(ev.get("slots") or ()))
+            return "cause" if kind in ("tier_map", "restore_content") and mine else None
         if finding.get("checker") == "oracle_divergence" and kind == "divergence":
             return "consequence" if ev.get("req") in reqs else None
         return None
