@@ -317,9 +317,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
         """Every exit path of a sequence that holds blocks comes through here. why: the seam's
         name (finish, cancel, preempt, error); the manager is told the v2 reason."""
         if self.tier is not None:
-            self._tier_settle(seq)  # a copy in flight completes before its blocks go back
-            self.tier.tiers.pop(seq.id, None)
-            seq.tier = "device"
+            self._tier_release(seq, why)  # a copy in flight completes before its blocks go back
         if self.seams.free_on_exit(seq, why):
             if self.inflight is not None and self.inflight.wrote(seq.id):
                 self._release_in_flight(seq, why)  # the step in flight still writes its blocks
@@ -466,7 +464,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
         return (
             self.scheduler.has_unfinished()
             or bool(self.inflight and self.inflight.early)
-            or bool(self.tier and self.tier.copies)
+            or bool(self.tier and (self.tier.copies or self.tier.orphans))
         )
 
     def close(self) -> None:

@@ -15,12 +15,15 @@ preemption's store completes at once (the scheduler needs the room now: the engi
 it). A restore writes the device blocks when it completes. Every copy records a CRC of each
 block it read and, at completion, of each block it wrote or left (the checkers compare them).
 
-Seams (faults/offload.py): `store_early` (the store reads blocks the step in flight still
-writes, under async scheduling: the remediation waits for that step) and `restore_flip`
-(the sequence computes on its restored blocks before the copy completed).
+Seams (faults/offload.py, faults/async_free.py): `store_early` (the store reads blocks the step
+in flight still writes, under async scheduling: the remediation waits for that step),
+`restore_flip` (the sequence computes on its restored blocks before the copy completed) and
+`free_loading` (a request released while its restore is in flight: the load lands later, into
+blocks handed on).
 
 The events of the history (engine events, built by keyword here): `offload_store`,
-`offload_restore`, `offload_landed`, `offload_tier` (occupancy and traffic, each step)."""
+`offload_restore`, `offload_landed`, `offload_late`, `offload_tier` (occupancy and traffic, each
+step)."""
 
 from __future__ import annotations
 
@@ -71,6 +74,16 @@ class OffloadLanded(TypedDict):
     crcs: list[int]
 
 
+class OffloadLate(TypedDict):
+    """A load of a request released while it was in flight landed (seam free_loading): into
+    device blocks the manager took back, and may have handed on."""
+
+    req: str
+    issued: int
+    blocks: list[int]
+    holders: dict[str, list[str]]  # block -> the sequences whose table rows name it now
+
+
 class OffloadTier(TypedDict):
     """Occupancy and traffic of the step (device blocks in use, host slots in use, in flight)."""
 
@@ -99,6 +112,9 @@ class HostTier:
     copies: dict[str, Copy] = field(default_factory=dict)  # one copy in flight per sequence
     tiers: dict[str, list[list]] = field(default_factory=dict)  # seq -> [tier, id] per block
     traffic: dict[str, int] = field(default_factory=lambda: {"stored": 0, "restored": 0})
+    # loads of released requests still in flight: (copy, the host content it reads, per rank)
+    orphans: list[tuple[Copy, list]] = field(default_factory=list)
+    late: list[OffloadLate] = field(default_factory=list)  # every such load landed, in the run
     # this step: sequences computed while their restore was in flight (req, blocks, issued)
     reads: list[tuple[str, list[int], int]] = field(default_factory=list)
 
@@ -232,6 +248,38 @@ class TierSteps:
             if c is not None and c.kind == "restore":
                 self.tier.reads.append((s.id, [b for _, b in c.pairs], c.issued))
 
+    def _tier_release(self, seq, why: str) -> None:
+        """seq's blocks go back: its copy in flight completes first (the remediation), or (seam
+        free_loading) a restore in flight is left to land later, after the next step."""
+        tier = self.tier
+        c = tier.copies.get(seq.id)
+        if c is not None and c.kind == "restore" and self.seams.free_loading(seq, why):
+            del tier.copies[seq.id]
+            c.due = self.step_count + 1  # lands once the next step computed
+            tier.orphans.append((c, [h[:, :, [s for s, _ in c.pairs]].clone() for h in tier.pools]))
+        else:
+            self._tier_settle(seq)
+        tier.tiers.pop(seq.id, None)
+        seq.tier = "device"
+
+    def _tier_orphans(self) -> None:
+        """Loads of released requests land: into blocks their request no longer holds."""
+        from kvchaos.engine.inflight import holders
+
+        tier, step, keep = self.tier, self.step_count, []
+        for c, content in tier.orphans:
+            if c.due > step:
+                keep.append((c, content))
+                continue
+            blocks = [b for _, b in c.pairs]
+            for dev, kv in zip(self.kv_pools, content):
+                dev[:, :, blocks] = kv
+            held = {str(b): holders(self.table, b) for b in blocks}
+            ev = OffloadLate(req=c.req, issued=c.issued, blocks=blocks, holders=held)
+            tier.late.append(ev)
+            self.seams.on_event("offload_late", dict(ev))
+        tier.orphans = keep
+
     def _tier_settle(self, seq) -> None:
         """seq leaves (or is stored) while its copy is in flight: the copy completes first."""
         c = self.tier.copies.pop(seq.id, None)
@@ -246,6 +294,8 @@ class TierSteps:
         tier.traffic, tier.reads = {"stored": 0, "restored": 0}, []
         for req in [q for q, c in tier.copies.items() if c.due <= step]:
             self._tier_land(tier.copies.pop(req))
+        if tier.orphans:
+            self._tier_orphans()
         cold = self.config.offload.cold_steps
         if cold:
             for s in list(sched.idle):

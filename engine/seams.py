@@ -88,6 +88,9 @@ class Seams:
     # ... and a restored sequence computes on its new blocks before their copy completed (seq);
     # False: it is scheduled once the restore completed.
     restore_flip: Callable[[object], bool] = _never_one
+    # ... and a sequence released (seq, reason) while its restore is in flight: freed at once, the
+    # load still writing its blocks; False: the restore completes first.
+    free_loading: Callable[[object, str], bool] = _never
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
     on_event: Callable[[str, dict], None] = field(default=_ignore)
     # Called once a step's table is uploaded, before any rank computes: the table the kernels read.

@@ -40,9 +40,11 @@ class Sequence:
 
     @property
     def phase(self) -> str:
-        """Its stage: waiting, prefill, decode, preempted, finished, cancelled."""
+        """Its stage: waiting, prefill, decode, preempted, idle, restoring, finished, cancelled."""
         if self.state is State.RUNNING:
             return "decode" if self.uncomputed == 1 else "prefill"
+        if self.tier == "restoring":  # a host tier's load into its blocks in flight
+            return "restoring"
         return self.state.value
 
     @property

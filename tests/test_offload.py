@@ -221,3 +221,30 @@ def test_the_offload_fault_needs_the_tier():
     )
     with pytest.raises(ScenarioError, match=r"engine.offload"):
         parse_scenario(tomllib.loads(text))
+
+
+# -- async_free's load_abort: an abort while a restore from the host tier is in flight -----------
+def test_load_abort_detect_names_the_aborted_load_and_clean_holds():
+    r = run_scenario(load_scenario("async-free-load-abort-detect"), 0, report_dir=None)
+    assert r.verdict == "PASS", r.summary
+    cancelled = {e["req"] for e in r.events if e.get("e") == "cancel" and e["phase"] == "restoring"}
+    late = [f for f in _offload_result(r)["findings"] if f["kind"] == "landed_after_free"]
+    assert late and {f["evidence"]["req"] for f in late} <= cancelled
+    r = run_scenario(load_scenario("async-free-load-abort-clean"), 0, report_dir=None)
+    assert r.verdict == "PASS", r.summary
+    assert r.results["fault_verify"]["async_free"]["triggered"] > 0
+    assert not _engine_events(r, "offload_late")
+
+
+def test_the_tier_runs_events_are_as_their_types_say():
+    from kvchaos.harness.history.events import ENGINE_DATA, KINDS
+
+    r = run_scenario(load_scenario("async-free-load-abort-detect"), 1, report_dir=None)
+    seen = set()
+    for e in r.events:
+        t = KINDS[e["e"]]
+        assert t.__required_keys__ <= set(e) <= t.__required_keys__ | t.__optional_keys__, e
+        if e["e"] == "engine" and e["kind"] in ENGINE_DATA:
+            seen.add(e["kind"])
+            assert set(e["data"]) == set(ENGINE_DATA[e["kind"]].__required_keys__), e
+    assert {"offload_store", "offload_restore", "offload_landed", "offload_late"} <= seen

@@ -12,13 +12,15 @@ read and as written) and the manager's snapshots (host_blocks, host_free beside 
 - read_in_flight: a sequence computed on restored blocks before their copy completed.
 - reuse_before_store: a device block being stored out held by another sequence before the store
   completed.
+- landed_after_free: a load (restore) landed after its request was released, into blocks the
+  manager took back.
 A history without a host tier is not judged."""
 
 from __future__ import annotations
 
 from kvchaos.harness.check.findings import CheckResult, Finding, judged_result
 
-KINDS = ("offload_store", "offload_restore", "offload_landed")
+KINDS = ("offload_store", "offload_restore", "offload_landed", "offload_late")
 
 
 def _finding(step: int, kind: str, message: str, **evidence) -> Finding:
@@ -40,6 +42,9 @@ def check_offload(events: list[dict]) -> CheckResult:
             d, step = e["data"], e["step"]
             if e["kind"] == "offload_store":
                 flight[d["req"]] = {**d, "kind": "store", "step": step}
+            elif e["kind"] == "offload_late":
+                flight.pop(d["req"], None)
+                found.append(_late(step, d))
             elif e["kind"] == "offload_restore":
                 flight[d["req"]] = {**d, "kind": "restore", "step": step}
                 found += _restore_reads(step, d, stored.get(d["req"], {}))
@@ -66,6 +71,20 @@ def check_offload(events: list[dict]) -> CheckResult:
             checked += 1
             found += _tiers(e, flight, where)
     return judged_result("offload", _first_each(found), checked)
+
+
+def _late(step: int, d: dict) -> Finding:
+    held = {b: h for b, h in d["holders"].items() if h}
+    now = f", held now by {sorted({q for h in held.values() for q in h})}" if held else ""
+    return _finding(
+        step,
+        "landed_after_free",
+        f"request {d['req']}'s load from the host tier (issued at step {d['issued']}) landed in "
+        f"blocks {d['blocks'][:8]} after the request was released{now}",
+        req=d["req"],
+        blocks=d["blocks"],
+        holders=held,
+    )
 
 
 def _restore_reads(step: int, d: dict, stored: dict) -> list[Finding]:

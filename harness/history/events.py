@@ -12,9 +12,15 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict, Union, get_args, get_type_hints
 
 from kvchaos.engine.inflight import AsyncFence, AsyncFreed, AsyncLanded, AsyncMixed, AsyncStep
-from kvchaos.engine.offload import OffloadLanded, OffloadRestore, OffloadStore, OffloadTier
+from kvchaos.engine.offload import (
+    OffloadLanded,
+    OffloadLate,
+    OffloadRestore,
+    OffloadStore,
+    OffloadTier,
+)
 
-Phase = Literal["waiting", "prefill", "decode", "preempted", "idle"]
+Phase = Literal["waiting", "prefill", "decode", "preempted", "idle", "restoring"]
 EndReason = Literal["done", "max_steps", "interrupted", "error"]
 FaultKind = Literal["armed", "trigger", "fired"]
 Origin = Literal["plan", "fault", "harness"]  # who asked for a submit, cancel or reject
@@ -171,6 +177,7 @@ ENGINE_DATA: dict[str, type] = {
     "offload_restore": OffloadRestore,
     "offload_landed": OffloadLanded,
     "offload_tier": OffloadTier,
+    "offload_late": OffloadLate,
 }
 
 
