@@ -365,3 +365,15 @@ class BlockManager:
             snap.host_blocks = {s: list(v) for s, v in self.host_slots.items()}
             snap.host_free = list(self.host.free)
         return snap
+
+
+class HostTierBlockManager(BlockManager):
+    """The reference with a host tier of twice its device blocks ("offload"): what conformance
+    (`--block-manager kvchaos.engine.block_manager:HostTierBlockManager`) drives the tier on."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        super().__init__(
+            num_blocks, block_size, max_num_seqs, max_blocks_per_seq, host_blocks=2 * num_blocks
+        )

@@ -248,3 +248,31 @@ def test_the_tier_runs_events_are_as_their_types_say():
             seen.add(e["kind"])
             assert set(e["data"]) == set(ENGINE_DATA[e["kind"]].__required_keys__), e
     assert {"offload_store", "offload_restore", "offload_landed", "offload_late"} <= seen
+
+
+# -- conformance: the offload property ---------------------------------------------------------
+class GivesBackAtStore(BlockManager):
+    """A planted bug: the store frees the device blocks at once, before the copy completed."""
+
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_blocks_per_seq) -> None:
+        super().__init__(num_blocks, block_size, max_num_seqs, max_blocks_per_seq, 2 * num_blocks)
+
+    def offload_store(self, seq_id, num_tokens):
+        pairs = super().offload_store(seq_id, num_tokens)
+        for b, _ in pairs:  # back to the free list now (and once more at offload_done)
+            self.pool.free.append(b)
+        return pairs
+
+
+def test_the_reference_with_a_host_tier_passes_offload_and_a_store_that_frees_early_fails():
+    from kvchaos.engine.block_manager import HostTierBlockManager
+    from kvchaos.harness.conformance.suite import run_conformance
+
+    ok = {r.name: r for r in run_conformance(HostTierBlockManager, examples=15)}
+    assert ok["offload"].status == "passed", ok["offload"]
+    assert all(r.status != "failed" for r in ok.values()), [r for r in ok.values()]
+    plain = {r.name: r for r in run_conformance(BlockManager, examples=3)}
+    assert plain["offload"].status == "not applicable"
+    bad = {r.name: r for r in run_conformance(GivesBackAtStore, examples=15)}
+    assert bad["offload"].status == "failed"
+    assert "before offload_done" in bad["offload"].message
