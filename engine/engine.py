@@ -385,7 +385,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
             if self.inflight is not None:
                 self._went_in_flight(decode, prefill, metas)
-            if self.tier is not None and self.tier.copies:
+            if self.tier is not None and (self.tier.copies or self.tier.kept):
                 self._tier_reads(decode, prefill)
             # Sequences whose every token is now computed produce a token.
             emit: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]

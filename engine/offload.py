@@ -19,7 +19,8 @@ Seams (faults/offload.py, faults/async_free.py): `store_early` (the store reads 
 in flight still writes, under async scheduling: the remediation waits for that step),
 `restore_flip` (the sequence computes on its restored blocks before the copy completed) and
 `free_loading` (a request released while its restore is in flight: the load lands later, into
-blocks handed on).
+blocks handed on) and `stale_host` (a restored request's host copy of a block stays valid after
+the block is written: its next store skips it, as a write-back cache that misses a dirty bit).
 
 The events of the history (engine events, built by keyword here): `offload_store`,
 `offload_restore`, `offload_landed`, `offload_late`, `offload_tier` (occupancy and traffic, each
@@ -115,6 +116,10 @@ class HostTier:
     # loads of released requests still in flight: (copy, the host content it reads, per rank)
     orphans: list[tuple[Copy, list]] = field(default_factory=list)
     late: list[OffloadLate] = field(default_factory=list)  # every such load landed, in the run
+    # restored sequences' host copies kept valid (write-back avoidance, as a hierarchical cache
+    # keeps them): seq -> logical block -> its content per rank; a block written since drops out
+    kept: dict[str, dict[int, list]] = field(default_factory=dict)
+    reused: list[tuple[str, list[int]]] = field(default_factory=list)  # this step's stores'
     # this step: sequences computed while their restore was in flight (req, blocks, issued)
     reads: list[tuple[str, list[int], int]] = field(default_factory=list)
 
@@ -161,13 +166,16 @@ class TierSteps:
             self.counters["offload_refused"] += 1
             return False
         bs = self.bm.block_size
+        kept = tier.kept.pop(seq.id, {})  # still valid on the host: not copied again
         for rank, (dev, host) in enumerate(zip(self.kv_pools, tier.pools)):
-            for b, s in pairs:
-                host[:, :, s] = dev[:, :, b]
+            for i, (b, s) in enumerate(pairs):
+                host[:, :, s] = kept[i][rank] if i in kept else dev[:, :, b]
             for r, slot in early:  # read before those writes landed: what the slot held before
                 if r == rank and any(b == slot // bs for b, _ in pairs):
                     s = dict(pairs)[slot // bs]
                     host[:, :, s, slot % bs] = 0
+        if kept:
+            tier.reused.append((seq.id, sorted(i for i in kept if i < len(pairs))))
         due = step if why == "preempt" else step + tier.latency
         tier.copies[seq.id] = Copy(kind="store", req=seq.id, pairs=pairs, issued=step, due=due)
         tier.tiers[seq.id] = [["flight", b, s] for b, s in pairs]
@@ -219,6 +227,8 @@ class TierSteps:
             for dev, host in zip(self.kv_pools, tier.pools):
                 for s, b in c.pairs:
                     dev[:, :, b] = host[:, :, s]
+            kept = {i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)}
+            tier.kept[c.req] = kept
         written = [b for b, _ in c.pairs] if c.kind == "store" else [b for _, b in c.pairs]
         ev = OffloadLanded(
             req=c.req,
@@ -242,11 +252,18 @@ class TierSteps:
     def _tier_reads(self, decode: list, prefill: list) -> None:
         """Note the step's sequences computed on blocks whose restore is still in flight (the
         kernels read them: what the harness checks the tier map against)."""
-        copies = self.tier.copies
-        for s in (*decode, *(p for p, _ in prefill)):
+        copies, kept, bs = self.tier.copies, self.tier.kept, self.bm.block_size
+        for s, n in (*((d, 1) for d in decode), *prefill):
             c = copies.get(s.id)
             if c is not None and c.kind == "restore":
                 self.tier.reads.append((s.id, [b for _, b in c.pairs], c.issued))
+            mine = kept.get(s.id)
+            if mine:  # blocks written now: their host copies are stale (the remediation drops them)
+                first = s.num_computed // bs
+                written = [i for i in range(first, (s.num_computed + n - 1) // bs + 1) if i in mine]
+                if written and not self.seams.stale_host(s, written):
+                    for i in written:
+                        del mine[i]
 
     def _tier_release(self, seq, why: str) -> None:
         """seq's blocks go back: its copy in flight completes first (the remediation), or (seam
@@ -260,6 +277,7 @@ class TierSteps:
         else:
             self._tier_settle(seq)
         tier.tiers.pop(seq.id, None)
+        tier.kept.pop(seq.id, None)
         seq.tier = "device"
 
     def _tier_orphans(self) -> None:
@@ -291,7 +309,7 @@ class TierSteps:
         """The step's start: due copies complete, cold sequences are stored out, waiting stored
         sequences restored (in queue order, while there is room), then the tier's telemetry."""
         tier, step, sched = self.tier, self.step_count, self.scheduler
-        tier.traffic, tier.reads = {"stored": 0, "restored": 0}, []
+        tier.traffic, tier.reads, tier.reused = {"stored": 0, "restored": 0}, [], []
         for req in [q for q, c in tier.copies.items() if c.due <= step]:
             self._tier_land(tier.copies.pop(req))
         if tier.orphans:

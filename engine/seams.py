@@ -22,6 +22,10 @@ def _never(seq, reason: str) -> bool:
     return False
 
 
+def _never_pair(seq, blocks: list) -> bool:
+    return False
+
+
 def _never_one(seq) -> bool:
     return False
 
@@ -91,6 +95,9 @@ class Seams:
     # ... and a sequence released (seq, reason) while its restore is in flight: freed at once, the
     # load still writing its blocks; False: the restore completes first.
     free_loading: Callable[[object, str], bool] = _never
+    # ... and a restored sequence's blocks written again (seq, their logical indices): their host
+    # copies stay valid, so its next store skips them; False: they are dropped (copied again).
+    stale_host: Callable[[object, list], bool] = _never_pair
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
     on_event: Callable[[str, dict], None] = field(default=_ignore)
     # Called once a step's table is uploaded, before any rank computes: the table the kernels read.

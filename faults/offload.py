@@ -10,6 +10,11 @@ back asynchronously, and the copies are not ordered with the compute or the tabl
   restore_race          KV restored from the CPU copy corrupted under load (vLLM #45704, #31210,
                         Dynamo #5068): the table flips to the restored blocks, and the request
                         computes, before the host-to-device copy completed.
+  stale_host            a restored request's host copy is kept as valid (write-back avoidance, as
+                        SGLang's hierarchical cache keeps host copies) and the block is written
+                        again (its last, partial block grows) without the copy being marked
+                        stale: the next store skips it, and the restore after brings back KV
+                        older than the request's (the class of vLLM #45704, Dynamo #5068).
   host_slot_freed       a completed store gives its host slots back to the host pool while the
                         request stored out still needs them (an offload cache evicting blocks a
                         pending load references, the class of vLLM #31210): the next store
@@ -28,7 +33,7 @@ from typing_extensions import NotRequired, TypedDict
 from kvchaos.faults import base
 from kvchaos.faults.base import Fault, OneOf, ParamError
 
-VARIANTS = ("store_before_compute", "restore_race", "host_slot_freed")
+VARIANTS = ("store_before_compute", "restore_race", "stale_host", "host_slot_freed")
 TEXT = {  # variant: (root cause, remediation), as an incident quotes them
     "store_before_compute": (
         "The device-to-host store of a request's blocks was issued while the step still "
@@ -46,6 +51,14 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Flip the table (schedule the request) only once the restore's copy completed; track "
         "completion per block.",
     ),
+    "stale_host": (
+        "A restored request's host copy of a block stayed marked valid after the block was "
+        "written again (its last block grew): the next store skipped the block as already on "
+        "the host, and the request restored from that copy computed on KV older than its own "
+        "(the class of vllm#45704, Dynamo#5068).",
+        "Mark a block's host copy stale when the device block is written; a store copies every "
+        "block whose host copy is not current.",
+    ),
     "host_slot_freed": (
         "A completed store returned its host slots to the host pool while the request stored "
         "out still referenced them: another store was handed them and overwrote the copy, and "
@@ -58,8 +71,8 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
 
 class Early(TypedDict):
     step: int
-    req: str  # the request whose store read early (restored later from that copy)
-    blocks: list[int]
+    req: str  # the request whose store read early, or kept stale copies (restored from them)
+    blocks: list[int]  # stale_host: logical block indices
 
 
 class Freed(TypedDict):
@@ -115,6 +128,9 @@ class Offload(Fault):
             engine.seams.store_early = self._store_early
         elif variant == "restore_race":
             engine.seams.restore_flip = self._flip
+        elif variant == "stale_host":
+            self.dirty: dict[str, set[int]] = {}  # req -> blocks kept valid though written
+            engine.seams.stale_host = self._stale
         else:  # the manager's own seam (the plain reference's)
             engine.bm.host_frees_early = self._frees_early
 
@@ -143,6 +159,16 @@ class Offload(Fault):
         self.flipped[seq.id] = step
         return True
 
+    def _stale(self, seq, blocks: list) -> bool:
+        """The hazard window: a restored request writes blocks its host copy still holds."""
+        step = self.engine.step_count
+        self.trigger(step, {"req": seq.id, "blocks": blocks})
+        if not self.defect:
+            self.remediated += 1  # the host copies are dropped: the next store copies them
+            return False
+        self.dirty.setdefault(seq.id, set()).update(blocks)
+        return True
+
     def _frees_early(self, req: str) -> bool:
         """The hazard window: a store completed, its request stored out, slots still held."""
         step = self.engine.step_count
@@ -158,6 +184,15 @@ class Offload(Fault):
         return True
 
     def after_step(self, engine, step: int, output) -> None:
+        if self.p["variant"] == "stale_host":
+            for req, kept in engine.tier.reused:  # a store took host copies as they were
+                stale = sorted(self.dirty.pop(req, set()) & set(kept))
+                if stale:
+                    d = {"step": step, "req": req, "blocks": stale}
+                    self.early.append(d)
+                    self.touch(requests=[req], blocks=stale)
+                    self.fired(step, d)
+            return
         if not self.flipped:
             return
         for req, blocks, _ in engine.tier.reads:  # the engine's own note, as it computed
@@ -188,7 +223,7 @@ class Offload(Fault):
             return None
         variant = truth.get("variant")
         if finding.get("checker") == "offload":
-            if variant == "store_before_compute":
+            if variant in ("store_before_compute", "stale_host"):
                 return "cause" if kind == "store_content" and ev.get("req") in reqs else None
             if variant == "restore_race":
                 named = kind in ("read_in_flight", "restore_content") and ev.get("req") in reqs

@@ -132,7 +132,9 @@ def test_the_tier_off_leaves_the_engine_config_as_it_was():
 
 
 # -- the fault's variants --------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["store-before-compute", "restore-race", "host-slot-freed"])
+@pytest.mark.parametrize(
+    "variant", ["store-before-compute", "restore-race", "stale-host", "host-slot-freed"]
+)
 def test_detect_is_caught_naming_the_restored_request(variant):
     r = run_scenario(load_scenario(f"offload-{variant}-detect"), 0, report_dir=None)
     assert r.verdict == "PASS", r.summary
@@ -141,7 +143,9 @@ def test_detect_is_caught_naming_the_restored_request(variant):
     assert findings and findings[0]["evidence"]["req"] in restored
 
 
-@pytest.mark.parametrize("variant", ["store-before-compute", "restore-race", "host-slot-freed"])
+@pytest.mark.parametrize(
+    "variant", ["store-before-compute", "restore-race", "stale-host", "host-slot-freed"]
+)
 def test_clean_holds_with_its_trigger_pulled(variant):
     r = run_scenario(load_scenario(f"offload-{variant}-clean"), 0, report_dir=None)
     assert r.verdict == "PASS", r.summary

@@ -119,7 +119,8 @@ def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Findi
                     "store_content",
                     f"request {req}: the host copy of its blocks {bad[:8]} differs from what "
                     f"the device blocks held when the store completed (issued at step "
-                    f"{issued['step']}: it read them before the compute writing them completed)",
+                    f"{issued['step']}): read before the compute writing them completed, or a "
+                    "stale host copy taken as current",
                     req=req,
                     blocks=bad,
                     issued=issued["step"],

@@ -125,8 +125,11 @@ def build_plan(
         think = random.Random(f"{seed}/think")
         for a in submitted:
             if think.random() < w.think.share:
-                idle = sample_length(w.think.think_steps, think)
-                plan.add(Action(a.step, "pause", a.req, max_new=idle, when="decode"))
+                at = a.step
+                for _ in range(w.think.pauses):  # each waits for its request to decode again
+                    idle = sample_length(w.think.think_steps, think)
+                    plan.add(Action(at, "pause", a.req, max_new=idle, when="decode"))
+                    at += idle + 3
     c = w.cancel
     for a in submitted:
         if rng.random() < c.rate:

@@ -123,8 +123,9 @@ class ThinkSpec(_Strict):
     """Sessions that sit idle holding their KV: a request pauses once it decodes (its turn handed
     to the user, or to a tool) and resumes after its think time (a host tier's cold requests)."""
 
-    share: float = Field(1.0, ge=0.0, le=1.0)  # requests that pause once
+    share: float = Field(1.0, ge=0.0, le=1.0)  # requests that pause
     think_steps: LengthDist = LengthDist(dist="uniform", min=4, max=12)  # steps idle
+    pauses: int = Field(1, ge=1, le=16)  # each a few steps after the one before resumed
 
 
 class Workload(_Strict):
