@@ -85,6 +85,19 @@ class OffloadLate(TypedDict):
     holders: dict[str, list[str]]  # block -> the sequences whose table rows name it now
 
 
+class Pause(TypedDict):
+    """A request sits idle holding its blocks (the workload's think time)."""
+
+    req: str
+
+
+class Resume(TypedDict):
+    """An idle request waits to run again; tier: where its blocks are now."""
+
+    req: str
+    tier: str
+
+
 class OffloadTier(TypedDict):
     """Occupancy and traffic of the step (device blocks in use, host slots in use, in flight)."""
 
@@ -334,7 +347,7 @@ class TierSteps:
         if seq is None or seq.state is not State.RUNNING or seq.uncomputed != 1:
             return False
         self.scheduler.pause(seq, self.step_count)
-        self.seams.on_event("pause", {"req": request_id})
+        self.seams.on_event("pause", dict(Pause(req=request_id)))
         return True
 
     def resume(self, request_id: str) -> bool:
@@ -343,7 +356,7 @@ class TierSteps:
         if seq is None or seq.state is not State.IDLE:
             return False
         self.scheduler.resume(seq)
-        self.seams.on_event("resume", {"req": request_id, "tier": seq.tier})
+        self.seams.on_event("resume", dict(Resume(req=request_id, tier=seq.tier)))
         return True
 
     def _tier_telemetry(self) -> None:

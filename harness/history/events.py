@@ -18,6 +18,8 @@ from kvchaos.engine.offload import (
     OffloadRestore,
     OffloadStore,
     OffloadTier,
+    Pause,
+    Resume,
 )
 
 Phase = Literal["waiting", "prefill", "decode", "preempted", "idle", "restoring"]
@@ -178,6 +180,9 @@ ENGINE_DATA: dict[str, type] = {
     "offload_landed": OffloadLanded,
     "offload_tier": OffloadTier,
     "offload_late": OffloadLate,
+    # with [workload.think]: a request paused (idle, holding its blocks) and resumed
+    "pause": Pause,
+    "resume": Resume,
 }
 
 
