@@ -280,3 +280,13 @@ def test_the_reference_with_a_host_tier_passes_offload_and_a_store_that_frees_ea
     bad = {r.name: r for r in run_conformance(GivesBackAtStore, examples=15)}
     assert bad["offload"].status == "failed"
     assert "before offload_done" in bad["offload"].message
+
+
+def test_a_bad_offload_value_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys):
+    from kvchaos.harness.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD.format(line="latency_steps = 0"))
+    assert main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "engine.offload.latency_steps" in err and err.count("\n") == 1, err
