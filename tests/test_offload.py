@@ -290,3 +290,11 @@ def test_a_bad_offload_value_on_the_command_line_is_one_line_and_exit_2(tmp_path
     assert main(["run", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "engine.offload.latency_steps" in err and err.count("\n") == 1, err
+
+
+def test_replay_of_a_tier_run_is_identical(tmp_path):
+    from kvchaos.harness.tools.replay import replay
+
+    r = run_scenario(load_scenario("offload-stale-host-detect"), 1, "cpu", tmp_path)
+    out = replay(r.run_dir, isolated=False)
+    assert out["identical"] and out["history_compared"]
