@@ -16,6 +16,7 @@ _WHERE = {
     "InvalidRequest": "errors",
     "KVChaosError": "errors",
     "OutOfBlocks": "errors",
+    "RequestFailed": "errors",
     "RequestRejected": "errors",
     "TableOverflow": "errors",
     "Snapshot": "protocols",

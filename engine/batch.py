@@ -36,8 +36,10 @@ class BatchBuilder:
     def _build_batch(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]):
         """Token ids, positions and, per rank, the slot mapping and attention tables, all read
         through that rank's own copy of the flat table."""
-        # the stride the kernels index rows with: the table's width unless a seam pins another
-        bs, width = self.bm.block_size, self.seams.kernel_stride or self.table.table.width
+        # the stride the kernels index rows with: the table's width unless a seam pins another;
+        # the block size they address the pool in: the manager's unless launched with another
+        bs = self.kernel_bs or self.bm.block_size
+        width = self.seams.kernel_stride or self.table.table.width
         rows, tok, pos = self._batch_inputs(decode, prefill)
         dev = self.device
         nt, nd = len(tok), len(decode)
@@ -69,7 +71,7 @@ class BatchBuilder:
             hi = max(bases) + nblk_dec - 1  # the largest entry read (every ent is <= it)
         metas, scrambled = [], self._scramble()
         for rank in self.ranks.ranks:
-            flat = rank.table
+            flat = self._kernel_entries(rank.table)  # the table itself, unless apart (geometry.py)
             last = flat.numel() - 1
             slots, dec_tables, plan, chunks = [], None, None, []
             if nd:  # flat addressing: an overlong row reads on into the next one, as a kernel would
@@ -134,6 +136,9 @@ class BatchBuilder:
             slots, dec_tables, chunks = meta_of(r)
             rows = dec_tables.clamp(min=0).tolist() if decode else []
             rows += [c[3].clamp(min=0).tolist() for c in chunks]
+            if self.kernel_bs:  # a kernel block is kernel_bs // bs of the manager's, in order
+                m = self.kernel_bs // bs
+                rows = [[e * m + t for e in row for t in range(m)] for row in rows]
             reads = [(seq, n, row[: -(-n // bs)]) for (seq, n), row in zip(ctx, rows)]
             report(r, reads, list(zip(seqs, pos, tok, slots.tolist())))
 

@@ -66,6 +66,28 @@ class BlockTable:
         self.host_tensor = _view(self.host)
 
 
+def kernel_view(
+    table: list[int],
+    row: int,
+    stride: int,
+    count: int,
+    ratio: int = 1,
+    pool_kernel_blocks: int | None = None,
+) -> list[int]:
+    """The blocks (in the table's units) the kernels read for a sequence holding `count` blocks in
+    `row`: row r from r * stride, each entry e a kernel block of `ratio` table blocks (e * ratio
+    ... e * ratio + ratio - 1), an entry past the pool's `pool_kernel_blocks` wrapped to its
+    start; the row comes short past the table's end. The row as the manager lays it out: exactly
+    its blocks."""
+    base = row * stride
+    out: list[int] = []
+    for e in table[base : base + -(-count // ratio)]:
+        if pool_kernel_blocks is not None and e >= pool_kernel_blocks:
+            e %= pool_kernel_blocks
+        out += [e] * ratio if e < 0 else range(e * ratio, e * ratio + ratio)
+    return out[:count]
+
+
 def _view(host: array):
     """The table as an int32 tensor over the same memory (zero-copy). torch is imported here: the
     block managers, and the canaries built on them, load without it."""

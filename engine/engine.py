@@ -17,7 +17,8 @@ from kvchaos.engine.batch import BatchBuilder
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.boundary import Boundary
 from kvchaos.engine.config import EngineConfig
-from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestRejected
+from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestFailed, RequestRejected
+from kvchaos.engine.geometry import KernelGeometry
 from kvchaos.engine.inflight import AsyncSteps, InFlight
 from kvchaos.engine.model import Model
 from kvchaos.engine.offload import HostTier, TierSteps
@@ -48,7 +49,7 @@ def decode_backend(name: str):
     return paged_decode_torch
 
 
-class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
+class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
     def __init__(self, config: EngineConfig, block_manager: KVManager | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -94,24 +95,9 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
         self.decode_attention = decode_backend(config.resolved_backend())
         tp = config.tp_size
         self.kv_heads_per_rank = mc.num_kv_heads // tp
-        # One pool per rank: [layers, K/V, blocks, block_size, kv_heads / tp, head_dim]
-        self.kv_pools = [
-            torch.zeros(
-                mc.num_layers,
-                2,
-                self.bm.num_blocks,
-                self.bm.block_size,
-                self.kv_heads_per_rank,
-                mc.head_dim,
-                dtype=mc.torch_dtype,
-                device=self.device,
-            )
-            for _ in range(tp)
-        ]
-        self._kv_views = [
-            [(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)]
-            for pool in self.kv_pools
-        ]
+        self.kernel_bs: int | None = None  # the kernels' block size, where not the manager's
+        self.geometry_alignments = 0  # pool sizes / kernel block sizes aligned to the manager's
+        self._alloc_pools(self.bm.num_blocks)  # one per rank (geometry.py)
         self.ranks = RankGroup(tp, self.device)
         self._pinned = True  # page-locked: pinned on CUDA, mlock on the CPU (staging.py)
         self.staging = StagingBuffer(self.table.table.host_tensor.numel(), self._pinned)
@@ -274,10 +260,18 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
         if seq.done:
             return False
         self.scheduler.remove(seq)
-        if seq.state is State.RUNNING or seq.holds:  # (held while idle or stored out too)
+        if seq.holds:  # running, idle, stored out, or waiting for its KV to land
             self._release(seq, "cancel")
         seq.state = State.CANCELLED
         return True
+
+    def _fail(self, seq: Sequence, err: RequestFailed) -> None:
+        """The engine's abort of a request whose own work failed in the step: it ends in error
+        and gives its blocks back ("error"), as every exit path does."""
+        self.scheduler.remove(seq)
+        seq.state = State.FAILED
+        self.seams.on_event("request_failed", {"req": seq.id, "error": str(err)})
+        self._release(seq, "error")
 
     def refused(self, call: str, seq_id: str, tokens: int, refusal=None) -> None:
         """Count a refusal ("no room"): the manager's answer, which the scheduler works around.
@@ -412,11 +406,17 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
             s.num_computed += n
         if "end_step" in self.capabilities:
             self.bm.end_step({s.id: s.num_computed for s in (*decode, *(p for p, _ in prefill))})
-        out_tokens, out_logits, finished = {}, {}, []
+        out_tokens, out_logits, finished, failed = {}, {}, [], []
         if emit:
             logits_cpu = logits.cpu()
             next_tokens = logits_cpu.argmax(-1).tolist()
             for (s, _), tok, row in zip(emit, next_tokens, logits_cpu):
+                try:
+                    self.seams.on_sample(s)
+                except RequestFailed as err:  # its own error: the others' step goes on
+                    self._fail(s, err)
+                    failed.append(s.id)
+                    continue
                 s.tokens.append(tok)
                 out_tokens[s.id], out_logits[s.id] = tok, row
                 if s.num_generated >= s.max_new_tokens:
@@ -425,7 +425,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
                     self._release(s, "finish")
                     finished.append(s.id)
         stats = self._stats(t0, c0, t_prep, t_host, decode, prefill, preempted, stale)
-        return StepOutput(stats, out_tokens, out_logits, finished)
+        return StepOutput(stats, out_tokens, out_logits, finished, failed)
 
     def _stats(
         self, t0, c0, t_prep, t_host, decode, prefill, preempted, stale, computed=True
@@ -471,7 +471,9 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, TierSteps):
         """Release every block still held (idempotent)."""
         self._complete()
         sched = self.scheduler
-        for s in list(sched.running) + [q for q in (*sched.idle, *sched.waiting) if q.holds]:
+        # idle, stored out, or waiting for their KV to land: a waiting request may hold too
+        held = [s for s in (*sched.idle, *sched.waiting) if s.holds]
+        for s in list(sched.running) + held:
             if self.tier is not None:
                 self._tier_settle(s)
             sched.remove(s)

@@ -23,5 +23,10 @@ class OutOfBlocks(KVChaosError):
     """The pool has no free block. The scheduler preempts or waits; only misuse surfaces it."""
 
 
+class RequestFailed(KVChaosError):
+    """One request's work failed inside a step (a sampling, grammar or KV-load error): the engine
+    ends that request in error, releasing what it holds, and the step goes on for the others."""
+
+
 class TableOverflow(KVChaosError):
     """A block-table write past a row's width was refused (the bound check held)."""

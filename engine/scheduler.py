@@ -10,7 +10,11 @@ the blocks the new positions add: Engine.estimate): any admit or append may be r
 scheduler then does what a serving scheduler does: a decode sequence that cannot grow preempts the
 newest running request (itself, if it is the newest); a request whose first chunk is refused goes
 back to wait, in order; a later prefill chunk that is refused waits a step. Its audit
-(engine/audit.py) holds the plan's estimates against what the calls then took."""
+(engine/audit.py) holds the plan's estimates against what the calls then took.
+
+A request whose KV lands from elsewhere (seams.kv_load_steps: a disaggregated prefill's transfer)
+is admitted, then waits in the waiting queue holding the blocks its admission reserved, skipped by
+admission, until the step it lands: then it runs that chunk with no new call to the manager."""
 
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.idle: list[Sequence] = []  # paused, holding blocks (on either tier)
+        # admitted, waiting for their KV to land (seams.kv_load_steps): id -> (tokens their
+        # admission reserved, the step they run). They hold blocks in the waiting queue.
+        self.loading: dict[str, tuple[int, int]] = {}
         self.audit = Audit(engine)  # the plan's estimates against what the calls took
 
     # -- the queues ----------------------------------------------------------------------------
@@ -46,6 +53,7 @@ class Scheduler:
             self.idle.remove(seq)
         else:
             self.waiting.remove(seq)
+            self.loading.pop(seq.id, None)
 
     def preempt(self, seq: Sequence, why: str = "preempt") -> None:
         """Back to wait, first in line, recomputing from scratch; the engine takes its blocks
@@ -71,6 +79,14 @@ class Scheduler:
         seq.state = State.WAITING
         self.waiting.appendleft(seq)
 
+    def live(self) -> list[str]:
+        """The ids of the sequences holding blocks: the running ones, then those waiting for
+        their KV to land."""
+        ids = [s.id for s in self.running]
+        if self.loading:
+            ids += [s.id for s in self.waiting if s.holds]
+        return ids
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.idle)
 
@@ -88,7 +104,11 @@ class Scheduler:
         while not decode and not prefill and not self.running and self.waiting:
             # Nothing runs and the head lacks room: sequences that hold blocks without running
             # (idle, or resumed and waiting) give the newest back (stored out with a host tier)
-            held = [s for s in (*self.waiting, *self.idle) if s.holds and s.tier == "device"]
+            held = [
+                s
+                for s in (*self.waiting, *self.idle)
+                if s.holds and s.tier == "device" and s.id not in self.loading
+            ]
             if not held:
                 break
             victim = held[-1]
@@ -131,18 +151,20 @@ class Scheduler:
                     prefill.append((s, n))
                     budget -= n
                     free -= need
+        if self.loading:
+            budget = self._landed(prefill, budget)
         rows = engine.table.num_free_rows
-        while self.waiting and budget > 0:
-            s = self.waiting[0]
-            if s.tier != "device":
-                break  # stored out, or its restore in flight: the head waits for its blocks
+        while budget > 0:
+            s = self._head()
+            if s is None or s.tier != "device":  # none, or stored out / its restore in flight
+                break
             if rows <= 0 and not s.holds:  # one resumed (idle, restored) has its row
                 break
             n = min(s.uncomputed, budget)
             need = estimate(s, n)
             if need > free - engine.watermark_blocks:
                 break  # FCFS: the head waits for room, nobody overtakes it
-            self.waiting.popleft()
+            self.waiting.remove(s)
             s.state = State.RUNNING
             self.running.append(s)
             prefill.append((s, n))
@@ -150,6 +172,26 @@ class Scheduler:
             free -= need
             rows -= not s.holds
         return decode, prefill, preempted
+
+    def _head(self) -> Sequence | None:
+        """The first waiting sequence not waiting for its KV to land."""
+        if not self.loading:
+            return self.waiting[0] if self.waiting else None
+        return next((s for s in self.waiting if s.id not in self.loading), None)
+
+    def _landed(self, prefill: list, budget: int) -> int:
+        """Sequences whose KV landed run the chunk their admission reserved (no new blocks, no
+        new row); returns the budget left."""
+        for s in [s for s in self.waiting if s.id in self.loading]:
+            n, due = self.loading[s.id]
+            if due > self.engine.step_count or n > budget:
+                continue
+            self.waiting.remove(s)
+            s.state = State.RUNNING
+            self.running.append(s)
+            prefill.append((s, n))
+            budget -= n
+        return budget
 
     def reserve(self, decode: list, prefill: list, preempted: list[str]):
         """Appends for the step's decode sequences and prefill chunks. Returns what may run:
@@ -198,8 +240,12 @@ class Scheduler:
 
     def _prefill(self, decode: list, prefill: list, copies: list):
         engine, audit = self.engine, self.audit
-        bm, table, ran, back = engine.bm, engine.table, [], []
+        bm, table, ran, back, parked = engine.bm, engine.table, [], [], []
         for s, n in prefill:
+            if s.id in self.loading:  # landed: its slots were reserved at admission
+                del self.loading[s.id]
+                ran.append((s, n))
+                continue
             try:
                 if not s.holds:  # admission: the manager answers the tokens it has computed already
                     table.place(s.id)
@@ -211,6 +257,11 @@ class Scheduler:
                     s.holds, s.num_computed, s.hit_tokens = True, h, h
                     engine.admitted(s, len(known), h, h)
                     table.sync(s.id)
+                    wait = engine.seams.kv_load_steps(s)
+                    if wait > 0:  # its KV lands from elsewhere: it waits, holding the blocks
+                        self.loading[s.id] = (have - h, engine.step_count + wait)
+                        parked.append(s)
+                        continue
                     ran.append((s, have - h))
                 else:
                     before = bm.num_free_blocks if audit.on else 0
@@ -229,5 +280,9 @@ class Scheduler:
             self.running.remove(s)
             s.state = State.WAITING
             self.waiting.appendleft(s)
+        for s in parked:
+            self.running.remove(s)
+            s.state = State.WAITING
+            self.waiting.append(s)
         audit.settle()
         return decode, ran, copies

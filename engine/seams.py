@@ -34,6 +34,14 @@ def _never_rows(seqs: list) -> bool:
     return False
 
 
+def _no_load(seq) -> int:
+    return 0
+
+
+def _sampled(seq) -> None:
+    return None
+
+
 def _ignore(kind: str, data: dict) -> None:
     return None
 
@@ -57,6 +65,10 @@ class Seams:
     # Set: the row stride the kernels index the flat table with (row * stride + index). None (the
     # default): the table's own width, whatever it was resized to.
     kernel_stride: int | None = None
+    # The kernels' geometry is the manager's: a KV pool sized, or a kernel block size asked,
+    # apart from its num_blocks / block_size is aligned to them (engine/geometry.py). Off (a
+    # planted defect): as asked, the pool addressed past its end.
+    geometry_check: bool = True
     # Re-allocate the host staging buffer when it is not valid in this process.
     staging_check: bool = True
     # Ranks acknowledge the current table version before computing.
@@ -79,6 +91,13 @@ class Seams:
     slots_by_position: bool = True
     # Whether to release a sequence's blocks as it leaves (reason: finish, cancel, preempt, error).
     free_on_exit: Callable[[object, str], bool] = _always_free
+    # Steps an admitted request waits in the waiting queue for its KV to land from elsewhere (a
+    # disaggregated prefill's transfer: vLLM's WAITING_FOR_REMOTE_KVS, SGLang's decode prealloc
+    # queue), holding the blocks its admission reserved; asked at each admission. 0: it runs.
+    kv_load_steps: Callable[[object], int] = _no_load
+    # Called for each sequence about to take its sampled token; raising RequestFailed is that
+    # request's own error in the step: the engine ends it in error (release reason "error").
+    on_sample: Callable[[object], None] = _sampled
     # Asynchronous scheduling: release a sequence while the step in flight still writes its
     # blocks (reason as above); False: wait for that step first (engine/inflight.py).
     free_in_flight: Callable[[object, str], bool] = _never

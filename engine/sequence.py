@@ -14,6 +14,7 @@ class State(enum.Enum):
     IDLE = "idle"  # paused holding its blocks (a session's think time), resumed by the workload
     FINISHED = "finished"
     CANCELLED = "cancelled"
+    FAILED = "failed"  # ended by the engine: its own work failed in a step (RequestFailed)
 
 
 @dataclass(eq=False)
@@ -40,7 +41,8 @@ class Sequence:
 
     @property
     def phase(self) -> str:
-        """Its stage: waiting, prefill, decode, preempted, idle, restoring, finished, cancelled."""
+        """Its stage: waiting, prefill, decode, preempted, idle, restoring, finished, cancelled,
+        failed."""
         if self.state is State.RUNNING:
             return "decode" if self.uncomputed == 1 else "prefill"
         if self.tier == "restoring":  # a host tier's load into its blocks in flight
@@ -49,7 +51,7 @@ class Sequence:
 
     @property
     def done(self) -> bool:
-        return self.state in (State.FINISHED, State.CANCELLED)
+        return self.state in (State.FINISHED, State.CANCELLED, State.FAILED)
 
 
 @dataclass
@@ -88,3 +90,4 @@ class StepOutput:
     tokens: dict[str, int]  # request id -> token produced this step
     logits: dict[str, "object"]  # request id -> float32 logits [vocab] (CPU tensor)
     finished: list[str]
+    failed: list[str] = field(default_factory=list)  # ended in error this step (RequestFailed)

@@ -28,9 +28,10 @@ class TableUpload:
         self.seams.on_event("cow", data)
 
     def _copy_on(self, rank: int, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
         pool = self.kv_pools[rank]
+        nb = pool.shape[2]  # a block past a pool sized short wraps to its start (geometry.py)
+        src = torch.tensor([c[0] % nb for c in copies], device=self.device)
+        dst = torch.tensor([c[1] % nb for c in copies], device=self.device)
         pool[:, :, dst] = pool[:, :, src]
 
     def _stage(self, host: torch.Tensor) -> torch.Tensor:

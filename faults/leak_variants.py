@@ -17,20 +17,47 @@ trigger that puts the fault's own requests into the phase the variant breaks.
              cache-hit) ones (xllm#828: a ref-count test that assumed one holder)
   rate       the article's rate: about one cancel in 20 skips the free (its "1200 blocks in 3
              hours"), so the pool drains slowly; exact accounting still names the first leak
+  waiting    a cancel of a request still in the waiting queue that already holds blocks (admitted,
+             its KV landing from a disaggregated prefill: the engine's seams.kv_load_steps) skips
+             the free, the abort path assuming a waiting request owns nothing (sglang#8587, the
+             decode engine's waiting queue; vLLM's WAITING_FOR_REMOTE_KVS abort, vllm#46283)
+  engine_abort  an engine-initiated abort: one request's own error inside a step (a sampling
+             error raised, RequestFailed, at a token the fault's seeded schedule picks) ends it
+             on an error path that forgets the release (sglang#38352: a request finished ahead
+             of the result processors "leaks its KV and never answers")
 
-Engine-path variants (any, prefill, decode, shared, rate) plant on the engine's free_on_exit seam
-and so in any manager; preempted and partial plant in the reference managers' release_skips,
-retry in the reference prefix pool (PoolSeams.check_before_touch)."""
+Engine-path variants (any, prefill, decode, shared, rate, waiting, engine_abort) plant on the
+engine's free_on_exit seam (waiting's trigger on kv_load_steps, engine_abort's on on_sample) and
+so in any manager; preempted and partial plant in the reference managers' release_skips, retry in
+the reference prefix pool (PoolSeams.check_before_touch)."""
 
 from __future__ import annotations
 
 from kvchaos.faults.plan import Action
 
-VARIANTS = ("any", "prefill", "decode", "shared", "preempted", "retry", "partial", "rate")
+VARIANTS = (
+    "any",
+    "prefill",
+    "decode",
+    "shared",
+    "preempted",
+    "retry",
+    "partial",
+    "rate",
+    "waiting",
+    "engine_abort",
+)
 # planted on the reference managers' own seams: not applicable under another manager
 REFERENCE_ONLY = ("preempted", "retry", "partial")
-ENGINE_PATH = ("any", "prefill", "decode", "shared", "rate")  # free_on_exit: any manager
+# its requests hold blocks whose KV lands later: a prefix-caching manager that keys blocks as it
+# allocates them (vLLM's, unless its scheduler passes delay_cache_blocks, which protocol v2
+# cannot say) caches them unwritten: left out of vLLM's adapter lane, and of the soak's mix under
+# any other prefix-caching manager (it cannot tell which key at allocation; SGLang's holds).
+DELAYED_KV = ("waiting",)
+# free_on_exit: any manager
+ENGINE_PATH = ("any", "prefill", "decode", "shared", "rate", "waiting", "engine_abort")
 RATE_STRIDE = 20  # rate: one cancel in RATE_STRIDE leaks (about 5%)
+LOAD_STEPS = 3  # waiting: the steps an admitted request's KV takes to land
 
 RAII = (
     "Hold a request's blocks through a handle released on every exit path (a context manager / "
@@ -80,21 +107,51 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "pool lost a few blocks per hundred cancels, the article's 1200 blocks in 3 hours.",
         RAII,
     ),
+    "waiting": (
+        "The abort path of a request still in the waiting queue assumed it owned nothing, true "
+        "of a request never admitted but not of one admitted and waiting for its KV to land "
+        "(a disaggregated decode engine's preallocated blocks): it was removed without "
+        "releasing them (sgl-project/sglang#8587; the WAITING_FOR_REMOTE_KVS abort of "
+        "vllm-project/vllm#46283).",
+        "Release by what the request holds, not by the queue it is in: every exit path, from the "
+        "waiting queue too, goes through the one release (the article's RAII).",
+    ),
+    "engine_abort": (
+        "A request whose own work failed inside a step (a sampling error) was ended by the "
+        "engine on an error branch that never released its blocks: it finished ahead of the "
+        "path that frees, so it leaked its KV (sgl-project/sglang#38352; the article's "
+        "exception branches).",
+        RAII,
+    ),
 }
 
 
-def shape(variant: str, n: int, plan, cfg, rng) -> None:
+def shape(variant: str, n: int, plan, cfg, rng) -> dict[str, int]:
     """Add the variant's trigger to the plan: n rounds of the fault's own requests, each put into
-    the phase the variant breaks (ids lk<i>...)."""
+    the phase the variant breaks (ids lk<i>...). Returns, for engine_abort, the token (1 = the
+    first sampled) at which each of its requests fails; for waiting, its requests whose KV lands
+    from elsewhere (value: the steps it takes)."""
     bs, mpt = cfg.cache.block_size, cfg.max_prefill_tokens
     cap = cfg.cache.max_tokens_per_seq
 
     def add(step, op, req, prompt=(), out=0, **kw) -> None:
         plan.add(Action(step, op, req, list(prompt), out, origin="refcount_leak", **kw))
 
+    schedule: dict[str, int] = {}
     for i in range(n):
         r, t = f"lk{i}", 1 + 3 * i
-        if variant == "prefill":  # chunked: the cancel lands after its first chunk
+        if variant == "waiting":  # one cancelled while its KV lands, one that lands and runs
+            p = min(cap // 2, 2 * bs + 2, mpt)
+            add(t, "submit", r, plan.prompt(p, rng), 4)
+            add(t, "cancel", r, when="loading")
+            add(t + 1, "submit", f"{r}l", plan.prompt(p, rng), 4)
+            schedule[r] = schedule[f"{r}l"] = LOAD_STEPS
+        elif variant == "engine_abort":  # decoding; its own sampling error at a seeded token
+            p = min(cap // 4, bs + 1)
+            out = max(2, min(cap - p, 12))
+            add(t, "submit", r, plan.prompt(p, rng), out)
+            schedule[r] = rng.randint(1, out - 1)
+        elif variant == "prefill":  # chunked: the cancel lands after its first chunk
             add(t, "submit", r, plan.prompt(min(cap - 4, 2 * mpt + bs), rng), 4)
             add(t, "cancel", r, when="prefill")
         elif variant == "decode":
@@ -121,6 +178,7 @@ def shape(variant: str, n: int, plan, cfg, rng) -> None:
                 q, p = f"{r}r{j}", min(cap // 4, bs + 1)
                 add(t + j, "submit", q, plan.prompt(p, rng), min(cap - p, 12))
                 add(t + j + 1, "cancel", q, when="decode")
+    return schedule
 
 
 def _pressure(i: int, plan, cfg, add, rng) -> None:

@@ -15,7 +15,8 @@ class Action:
     prompt: list[int] = field(default_factory=list)  # a turn: only its new user tokens
     max_new: int = 0
     parent: str | None = None  # fork source; a turn's previous turn
-    when: str | None = None  # waiting | prefill | decode | preempted | shared | finished
+    # waiting | prefill | decode | preempted | shared | finished | loading (waiting, holding)
+    when: str | None = None
     origin: str = "workload"  # or the fault that added it
     after: str | None = None  # a submit that waits until this request is in phase `when`
 

@@ -8,7 +8,9 @@ from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.engine.block_manager import BlockManager
 from kvchaos.engine.block_pool import PrefixBlockPool
+from kvchaos.engine.errors import RequestFailed
 from kvchaos.engine.prefix_manager import PrefixCachingManager
+from kvchaos.engine.sequence import State
 from kvchaos.faults import base, leak_variants
 from kvchaos.faults.base import FRACTION, Fault, ListOf, Num, OneOf, ParamError
 from kvchaos.faults.leak_variants import ENGINE_PATH, RATE_STRIDE, TEXT, VARIANTS
@@ -66,6 +68,7 @@ class RefcountLeak(Fault):
 
     def __init__(self, defect: bool, params: dict, seed: int) -> None:
         super().__init__(defect, params, seed)
+        self.schedule: dict[str, int] = {}  # waiting, engine_abort: their requests (shape)
         if self.p["variant"] in TEXT:
             self.root_cause, self.remediation = TEXT[self.p["variant"]]
 
@@ -108,7 +111,8 @@ class RefcountLeak(Fault):
 
     def shape(self, plan, cfg) -> None:
         if self.p["variant"] != "any":
-            leak_variants.shape(self.p["variant"], self.p["cancels"], plan, cfg, self.rng)
+            v = self.p["variant"]
+            self.schedule = leak_variants.shape(v, self.p["cancels"], plan, cfg, self.rng)
             return
         subs = [a for a in plan.actions if a.op == "submit"]
         forks = [a for a in plan.actions if a.op == "fork"]
@@ -136,20 +140,25 @@ class RefcountLeak(Fault):
             return
         paths = set(self.p["paths"]) if v in ("any", "rate") else {v}
         frac, rng = self.p["fraction"], self.rng
+        exit_reason = "error" if v == "engine_abort" else "cancel"
+        self._arm_schedule(engine, v)
 
         def free_on_exit(seq, reason: str) -> bool:
-            """The trigger is a cancel on one of the paths of a request holding blocks; with the
-            defect planted, that cancel skips the free; else the free happens (remediation)."""
-            if reason != "cancel":
-                return True
-            snap = engine.snapshot()  # once per cancel: the protocol's only view of ref counts
+            """The trigger is a cancel on one of the paths of a request holding blocks (for
+            engine_abort, the engine's own abort of a failed request); with the defect planted,
+            that exit skips the free; else the free happens (remediation)."""
+            if reason != exit_reason or (v == "engine_abort" and seq.state is not State.FAILED):
+                return True  # (engine_abort: a failed step's "error" preemption is no abort)
+            snap = engine.snapshot()  # once per exit: the protocol's only view of ref counts
             blocks = snap.seq_blocks.get(seq.id, [])
             shared = any(snap.ref_counts[b] > 1 for b in blocks)
-            path = "shared" if shared else seq.phase
+            path = v if v in ("waiting", "engine_abort") and seq.phase in (v, "failed") else None
+            path = path or ("shared" if shared else seq.phase)
             if path not in paths or not blocks:
                 return True
-            step = engine.step_count + 1
-            self.trigger(step)
+            step = engine.step_count + (1 if reason == "cancel" else 0)
+            if reason == "cancel":  # (engine_abort's trigger is its raise)
+                self.trigger(step)
             if v == "rate":  # one cancel in RATE_STRIDE, from a seeded offset
                 self.cancels_seen += 1
                 leak = (self.cancels_seen + self.phase_offset) % RATE_STRIDE == 0
@@ -162,6 +171,30 @@ class RefcountLeak(Fault):
             return True
 
         engine.seams.free_on_exit = free_on_exit
+
+    def _arm_schedule(self, engine, v: str) -> None:
+        """waiting: its requests' KV lands LOAD_STEPS after admission (their first only);
+        engine_abort: each of its requests raises RequestFailed at its scheduled token."""
+        sched, asked = self.schedule, set()
+        if v == "waiting":
+
+            def kv_load_steps(seq) -> int:
+                if seq.id not in sched or seq.id in asked:
+                    return 0
+                asked.add(seq.id)
+                return sched[seq.id]
+
+            engine.seams.kv_load_steps = kv_load_steps
+        elif v == "engine_abort":
+
+            def on_sample(seq) -> None:
+                k = sched.get(seq.id)
+                if k is None or seq.num_generated + 1 != k:
+                    return
+                self.trigger(engine.step_count, {"req": seq.id, "token": k})
+                raise RequestFailed(f"request {seq.id}: sampling failed at token {k} (planted)")
+
+            engine.seams.on_sample = on_sample
 
     def _leak(self, step: int, req: str, path: str, blocks: list[int]) -> None:
         x = {"req": req, "path": path, "blocks": blocks, "step": step}

@@ -3,25 +3,40 @@ not the process's own (as after a worker fork: memory locks are not inherited, i
 are no longer the process's), and an engine that keeps using it pays for every page it touches.
 Outputs stay correct. Three variants, each a shape the stall takes in the field:
 
-  ramp          the article's curve: invalidated mid-run, a few more pages go bad each step until
-                all are, so per-step latency climbs, then plateaus. Its cost is modelled (a
-                calibrated wait per bad page), so a tiny table shows the article's milliseconds.
+  ramp          the article's curve: invalidated mid-run, a few more of its pages are reclaimed
+                each step until all are, so per-step latency climbs, then plateaus.
   from_start    the worker forked before serving (the article's own case): the buffer is the
                 parent's from the first upload, so no early step of the run is sound to compare
-                with. A real cost: the buffer is pageable, and its pages go back to the kernel
-                before every upload (MADV_DONTNEED, as reclaim takes unlocked pages), so each
-                upload page-faults the table in again.
-  bursts        intermittent and small: the same real page faults, only in bursts of
-                `burst_steps` every `burst_every` steps from at_step (reclaim under memory
-                pressure comes and goes); on a serving-size table a few times the sound copy.
+                with. Every page is reclaimed before every upload.
+  bursts        intermittent and small: every page reclaimed, only in bursts of `burst_steps`
+                every `burst_every` steps from at_step (reclaim under memory pressure comes and
+                goes); on a serving-size table a few times the sound copy.
 
-On CUDA the planted buffer is pageable, so the host-to-device copy from it is synchronous too.
+The cost is real in every variant: the planted buffer is pageable (an anonymous mapping, never
+mlock'ed), and the fault hands its pages back to the kernel before an upload (MADV_DONTNEED, as
+reclaim takes unlocked pages; outside the step's timings), so the upload's copy page-faults each
+one in again. "Fired" is the kernel's count: an upload through dropped pages fires where
+getrusage's minor-fault count rose across the copy (the counts are recorded, as `minflt`, and
+left out of the digest). A page fault costs about a microsecond, so the stall is material on a
+serving-size table (50 pages and up), and the scenarios set `[run] latency_floor_ms` for it.
+Where the platform cannot drop pages (no MADV_DONTNEED), from_start and bursts record
+not_applicable and cost nothing; the ramp falls back to a modelled cost, a busy-wait of
+`plateau_us` once every page is bad (a share of it per bad page before), and says so in
+not_applicable: the one busy-wait left.
+
+On CUDA the planted buffer is pageable, so the host-to-device copy from it is synchronous too
+(tests/test_gpu.py shows the copy call returning only after the work queued ahead of it).
 Remediation: the engine checks the buffer's owner before every upload and re-allocates it pinned
-(page-locked: mlock on the CPU, cudaHostAlloc on CUDA, write-combined where asked)."""
+(page-locked: mlock on the CPU, cudaHostAlloc on CUDA). The article's write-combined flag
+(cudaHostAllocWriteCombined) is not in torch: StagingBuffer asks cudaHostAlloc for it through
+ctypes where a CUDA runtime library loads, and says why not where it does not; the engine's own
+buffer is plain pinned (the host reads its staged table back for the ranks' checks, and reads of
+write-combined memory bypass the cache)."""
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 from typing_extensions import NotRequired, TypedDict
@@ -31,12 +46,13 @@ from kvchaos.faults import base
 from kvchaos.faults.base import STEP, Fault, Num, OneOf
 
 VARIANTS = ("ramp", "from_start", "bursts")
-RAMP_PARAMS = ("at_step", "page_bytes", "ramp_steps", "plateau_us")  # as before the variants
+NO_DROP = "this platform cannot drop a buffer's pages (no MADV_DONTNEED)"
 TEXT = {  # variant: (root cause, remediation), as an incident quotes them
     "ramp": (
         "The host staging buffer of the block-table upload was invalidated (a worker fork left "
-        "its pinned pages to another process) and the engine kept using it: every upload touched "
-        "bad pages and paid a page fault each, so per-step latency climbed, then plateaued.",
+        "its pinned pages to another process) and the engine kept using it: its pages were no "
+        "longer locked, reclaim took more of them each step, and every upload page-faulted them "
+        "in again, so per-step latency climbed, then plateaued.",
         "Tag the staging buffer with its owner (pid / generation), check it before every upload, "
         "and re-allocate it (pinned) when it is not this process's.",
     ),
@@ -66,46 +82,51 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
+def minor_faults() -> int:
+    """The kernel's count of this process's minor page faults (every thread's: a large copy is
+    split across torch's threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class Faulted(TypedDict):
     step: int
-    pages: int
+    pages: int  # dropped before the upload (the ramp's fallback: modelled bad pages)
 
 
 class Truth(base.Truth):
     variant: NotRequired[str]
-    faulted: NotRequired[list[Faulted]]  # uploads through dropped pages: (step, pages)
+    faulted: NotRequired[list[Faulted]]  # uploads through dropped pages that faulted
     not_applicable: NotRequired[str | None]
+    minflt: NotRequired[dict[str, int]]  # step -> the kernel's minor faults across its copy
+    unfaulted: NotRequired[list[int]]  # uploads through dropped pages with no fault counted
 
 
 class InvalidatedStaging(StagingBuffer):
     """A staging buffer inherited across a fork: owned by another pid, pageable (on CUDA too, so
-    the host-to-device copy from it really is synchronous). ramp: pages go bad a few more each
-    step until all are; every bad page touched costs a page fault, a calibrated wait. The other
-    variants: the fault drops its real pages before an upload, and the copy faults them in."""
+    the host-to-device copy from it really is synchronous). The fault drops its real pages before
+    an upload and the copy faults them in, counted by the kernel; the ramp's fallback, where no
+    page can be dropped, waits `modelled_s` instead."""
 
     def __init__(self, numel: int, fault: "StagingStall") -> None:
         super().__init__(numel, pinned=False)
         self.pid = -os.getpid()  # not this process's
+        self.tensor.zero_()  # resident, as a buffer in use is: only reclaim takes its pages
         self.fault = fault
         self.dropped = 0  # real pages handed back since the last upload
-        if fault.p["variant"] != "ramp":
-            return
-        self.pages = max(1, -(-numel * 4 // fault.p["page_bytes"]))
-        self.bad = 0
-        self.per_step = -(-self.pages // fault.p["ramp_steps"])
-        self.cost_per_page_s = fault.p["plateau_us"] * 1e-6 / self.pages
+        self.modelled = (0, 0.0)  # the fallback's bad pages and their wait, for the next upload
 
     def stage(self, host):
-        f = self.fault
-        if f.p["variant"] != "ramp":
-            f.faulted_upload(self.dropped)
-            self.dropped = 0
+        pages, wait = self.modelled
+        if wait:
+            busy_wait(wait)
+            self.modelled = (0, 0.0)
+            self.fault.faulted_upload(pages, None)
             return super().stage(host)
-        self.bad = min(self.pages, self.bad + self.per_step)
-        cost = self.bad * self.cost_per_page_s
-        busy_wait(cost)
-        f.charged(self.bad, cost)
-        return super().stage(host)
+        before = minor_faults()  # two getrusage calls (~1 us) inside the timed copy
+        staged = super().stage(host)
+        self.fault.faulted_upload(self.dropped, minor_faults() - before)
+        self.dropped = 0
+        return staged
 
 
 class StagingStall(Fault):
@@ -113,8 +134,11 @@ class StagingStall(Fault):
     detectors = ("latency",)
     truth = Truth
     root_cause, remediation = TEXT["ramp"]
-    # ramp_steps: steps until every page is bad; plateau_us: the stall per upload once they all
-    # are (both ramp's); burst_steps of every burst_every steps drop the pages (bursts')
+    # ramp_steps: steps until every page is reclaimed (the ramp's); plateau_us: the ramp's
+    # fallback stall per upload once all are, where no page can be dropped; burst_steps of every
+    # burst_every steps drop the pages (bursts'). page_bytes: the modelled ramp's page, unused
+    # since its pages are the kernel's; accepted and recorded as before, so scenario files and
+    # histories written with it load and replay as they were
     defaults = {
         "at_step": 20,
         "page_bytes": 16,
@@ -124,7 +148,6 @@ class StagingStall(Fault):
         "burst_steps": 6,
         "burst_every": 20,
     }
-    # page_bytes and ramp_steps divide: at least 1
     domains = {
         "at_step": STEP,
         "page_bytes": Num(int, ge=1),
@@ -143,20 +166,13 @@ class StagingStall(Fault):
     def label(cls, params: dict | None = None) -> str:
         return f"{cls.name}/{(params or {}).get('variant', cls.defaults['variant'])}"
 
-    def describe(self) -> dict:
-        d = super().describe()
-        if self.p["variant"] == "ramp":  # recorded as before the variants: its histories replay
-            d["params"] = {k: self.p[k] for k in RAMP_PARAMS}
-            d["label"] = self.name
-        return d
-
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
         # the trigger fires either way: the remediated engine must notice and re-allocate
         engine.seams.staging_check = not self.defect
-        self.faults_charged = 0
-        self.seconds_charged = 0.0
         self.faulted: list[dict] = []
+        self.minflt: dict[int, int] = {}  # step -> the kernel's count across its copy
+        self.unfaulted: list[int] = []  # uploads through dropped pages the kernel saw no fault in
         self.na: str | None = None
         self._step = 0
         self._reallocs = engine.counters["staging_reallocs"]
@@ -171,43 +187,54 @@ class StagingStall(Fault):
             what = "staging buffer invalidated (as after a fork)"
             if self.p["variant"] == "from_start":
                 what = "serving from a staging buffer allocated before the fork"
-            buf = engine.staging
-            pages = buf.pages if self.p["variant"] == "ramp" else buf.page_count()
-            self.trigger(step, {"what": what, "pages": pages})
+            self.trigger(step, {"what": what, "pages": engine.staging.page_count()})
         buf = engine.staging
-        if isinstance(buf, InvalidatedStaging) and buf.fault is self and self._dropping(step):
-            n = buf.drop_pages(0, buf.page_count())  # reclaim, outside the step's timings
-            buf.dropped += n
-            if not n and self.na is None:
-                self.na = "this platform cannot drop a buffer's pages (no MADV_DONTNEED)"
-                self.emit("not_applicable", {"reason": self.na}, step)
+        if not (isinstance(buf, InvalidatedStaging) and buf.fault is self):
+            return
+        share = self._dropping(step, buf.page_count())
+        if not share:
+            return
+        n = buf.drop_pages(0, share)  # reclaim, outside the step's timings
+        buf.dropped += n
+        if n:
+            return
+        if self.na is None:
+            self.na = NO_DROP
+            if self.p["variant"] == "ramp":
+                self.na += ": the ramp's cost is modelled, a busy-wait"
+            self.emit("not_applicable", {"reason": self.na}, step)
+        if self.p["variant"] == "ramp":
+            buf.modelled = (share, self.p["plateau_us"] * 1e-6 * share / buf.page_count())
 
-    def _dropping(self, step: int) -> bool:
+    def _dropping(self, step: int, pages: int) -> int:
+        """Pages reclaimed before this step's upload."""
         v, p = self.p["variant"], self.p
-        if v == "from_start":
-            return True
-        return v == "bursts" and (step - p["at_step"]) % p["burst_every"] < p["burst_steps"]
+        if v == "ramp":
+            return min(pages, (step - p["at_step"] + 1) * -(-pages // p["ramp_steps"]))
+        if v == "bursts" and (step - p["at_step"]) % p["burst_every"] >= p["burst_steps"]:
+            return 0
+        return pages
 
     def after_step(self, engine, step, output) -> None:
         n = engine.counters["staging_reallocs"]
         self.remediated += n - self._reallocs  # the engine noticed and re-allocated
         self._reallocs = n
 
-    def charged(self, pages: int, seconds: float) -> None:
-        self.faults_charged += pages
-        self.seconds_charged += seconds
-        if not self.fired_steps or self.fired_steps[-1] != self._step:
-            self.fired_steps.append(self._step)
-            if len(self.fired_steps) == 1:
-                self.emit("fired", {"pages_faulted": pages}, self._step)
-
-    def faulted_upload(self, pages: int) -> None:
-        """The engine staged through the planted buffer with `pages` of it handed back."""
-        if pages and (not self.faulted or self.faulted[-1]["step"] != self._step):
-            self.faulted.append({"step": self._step, "pages": pages})
-            self.fired_steps.append(self._step)
-            if len(self.fired_steps) == 1:
-                self.emit("fired", {"pages_faulted": pages}, self._step)
+    def faulted_upload(self, pages: int, minflt: int | None) -> None:
+        """The engine staged through the planted buffer with `pages` of it handed back; minflt:
+        the kernel's minor faults across the copy (None: the ramp's modelled fallback). Fired
+        where the kernel counted a fault (or the fallback charged its wait)."""
+        if not pages or (self.faulted and self.faulted[-1]["step"] == self._step):
+            return
+        if minflt is not None:
+            self.minflt[self._step] = minflt
+            if minflt <= 0:
+                self.unfaulted.append(self._step)
+                return
+        self.faulted.append({"step": self._step, "pages": pages})
+        self.fired_steps.append(self._step)
+        if len(self.fired_steps) == 1:
+            self.emit("fired", {"pages_faulted": pages}, self._step)
 
     @classmethod
     def explains(cls, finding: dict, truth: dict) -> str | None:
@@ -220,16 +247,15 @@ class StagingStall(Fault):
         return "cause"  # every step after the invalidation pays: no request is singled out
 
     def verify(self) -> dict:
-        if self.p["variant"] == "ramp":  # as before the variants
-            return {
-                **super().verify(),
-                "page_faults_charged": self.faults_charged,
-                "stall_seconds_charged": round(self.seconds_charged, 6),
-            }
-        return {
+        truth = {
             **super().verify(),
             "variant": self.p["variant"],
             "not_applicable": getattr(self, "na", None),
             "faulted": getattr(self, "faulted", []),
             "pages_faulted": sum(x["pages"] for x in getattr(self, "faulted", [])),
+            # measured: left out of the digest (UNSTABLE_KEYS), as a step's timings are
+            "minflt": {str(k): v for k, v in getattr(self, "minflt", {}).items()},
         }
+        if getattr(self, "unfaulted", None):  # pages dropped, no fault counted: nothing paid
+            truth["unfaulted"] = self.unfaulted
+        return truth

@@ -18,16 +18,28 @@ neighbour. Variants (`params.variant`), each a bug class a real engine shipped:
                    of the buffer (vllm#45462: an index past the whole block table)
   chunked_growth   admission counts the first prefill chunk only: a later chunk crosses the row's
                    end mid-chunk (vllm#56469, kekzl/imp#134)
+  slot_past_pool   the worker sized the KV pool one block short of the manager's num_blocks (a
+                   block reserved twice, as a null block: kvcached#398): the block the manager
+                   hands out last is past the pool, and the write kernel, with no upper bound on
+                   its slot (flashinfer#3740, flashinfer#3647), addresses past the pool's end: it
+                   wraps into block 0, another request's
+  kernel_block_size read side: the attention backend's kernels run with a block size other than the
+                   manager's (twice it): slot = entry x kernel block size + offset reads and
+                   writes other blocks while the host table is right (vllm#42872, closing
+                   vllm#42846: a kernel block size apart from the KV manager's)
 
 The remediation is the engine's: admission counts every token's blocks and rejects (429-style) or
 resizes by policy, the table refuses a write past a row's width, the kernels read the table at its
-own stride, and a row is sized cdiv(max_model_len, block_size). The default variant keeps the
+own stride, a row is sized cdiv(max_model_len, block_size), and the kernels' geometry (the pool's
+blocks, their block size) is checked against the manager's and aligned to it
+(engine/geometry.py). The default variant keeps the
 plain name and its params as before it had variants (histories recorded then compare)."""
 
 from __future__ import annotations
 
 from typing_extensions import NotRequired
 
+from kvchaos.engine.block_table import kernel_view
 from kvchaos.faults import base
 from kvchaos.faults import table_overflow_shapes as shapes
 from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num, OneOf, ParamError
@@ -42,7 +54,11 @@ VARIANTS = (
     "stride_mismatch",
     "last_row",
     "chunked_growth",
+    "slot_past_pool",
+    "kernel_block_size",
 )
+GEOMETRY = ("slot_past_pool", "kernel_block_size")  # the kernels' geometry apart from the manager's
+READ_SIDE = ("stride_mismatch", *GEOMETRY)  # judged from the table as the kernels read it
 DEFAULT = VARIANTS[0]
 TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unchecked: the class's)
     "article": (
@@ -91,6 +107,23 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unch
         "kekzl/imp#134).",
         "Admission counts every token of the request; the growth of each chunk is checked "
         "against the row's width before anything is written.",
+    ),
+    "slot_past_pool": (
+        "The worker sized the KV pool one block short of the num_blocks the manager hands out (a "
+        "block reserved twice, as a null block: kvcached#398): the block the manager handed out "
+        "last was past the pool, and the write kernel, with no upper bound on slot = block x "
+        "block_size + offset (flashinfer#3740, flashinfer#3647), wrote and read past the pool's "
+        "end, wrapping into block 0, another request's.",
+        "Size the pool from the manager's num_blocks and check it at start (the engine aligns a "
+        "pool sized apart from it); bound every slot by num_blocks x block_size in the kernel.",
+    ),
+    "kernel_block_size": (
+        "The attention backend's kernels were launched with a block size other than the KV "
+        "manager's (twice it): each table entry was read as a kernel block, slot = entry x "
+        "kernel block size + offset, so every sequence read and wrote other blocks while the "
+        "host table was right (vllm#42872, closing vllm#42846).",
+        "Check the kernels' block size against the manager's declared one at launch (the engine "
+        "refuses another and aligns it), or translate the table into kernel blocks.",
     ),
 }
 
@@ -165,9 +198,9 @@ class TableOverflow(Fault):
                 "stride_mismatch reads a resized table: set [engine.cache] overflow_policy = "
                 f'"resize", got {cc.overflow_policy!r}'
             )
-        elif v == "stride_mismatch" and cfg.tp_mode != "simulated":
+        elif v in READ_SIDE and cfg.tp_mode != "simulated":
             problem = (
-                "stride_mismatch plants in the simulated ranks' kernels: set [engine] tp_mode = "
+                f"{v} plants in the simulated ranks' kernels: set [engine] tp_mode = "
                 f'"simulated", got {cfg.tp_mode!r}'
             )
         elif v == "chunked_growth" and (
@@ -243,7 +276,12 @@ class TableOverflow(Fault):
         elif v == "floor_width":  # the remediation: a row of cdiv(max_model_len, block_size)
             limit = shapes.max_model_len(engine.config.cache)
             engine.table.resize(width=-(-limit // engine.bm.block_size))
-        self.misread: set[str] = set()  # stride_mismatch: requests the kernels read wrong
+        if v in GEOMETRY:  # the worker's / backend's ask: aligned unless the defect is planted
+            before = engine.geometry_alignments
+            shapes.ask_geometry(self, engine)
+            self.remediated += engine.geometry_alignments - before
+        self.misread: set[str] = set()  # read side: requests the kernels read wrong
+        self.reached: set[str] = set()  # geometry: requests the asked geometry would misread
         self._arrived = False  # floor_width: its request reached admission
         self._seen = self._looked = engine.table.table.overflow_writes
         self.overflowing: dict[str, int] = {}  # request -> its row, for requests that overflowed
@@ -251,7 +289,7 @@ class TableOverflow(Fault):
         upload = engine.seams.on_upload
 
         def look() -> None:  # mid-step, after the appends: every row still has its owner
-            if v == "stride_mismatch":
+            if v in READ_SIDE:
                 self._misreads(engine)
             else:
                 self._who(engine)
@@ -297,7 +335,7 @@ class TableOverflow(Fault):
             self._arrived = True
             self.trigger(step)
             self.remediated += not self.defect  # its row holds cdiv(max_model_len, block_size)
-        if v != "stride_mismatch":
+        if v not in READ_SIDE:
             self.remediated += sum(c[k] - self._counts[k] for k in REMEDIES)
         elif not self.defect:  # the kernels follow the resize
             self.remediated += c["table_resizes"] - self._counts["table_resizes"]
@@ -328,18 +366,25 @@ class TableOverflow(Fault):
         return out
 
     def _misreads(self, engine) -> None:
-        """stride_mismatch, as the step's table is uploaded: each live request whose row the
-        kernels read at their stride names other blocks than it holds. Those requests, their rows,
-        the blocks named (an unused entry addresses the pool's last block) and every request
-        holding one of them are touched; a request misread for the first time fires it."""
-        stride = engine.kernel_stride()
-        if stride is None:
+        """Read side, as the step's table is uploaded: each live request whose row the kernels
+        read through their geometry (their stride, block size, pool: block_table.kernel_view)
+        names other blocks than it holds. Those requests, their rows, the blocks named (an unused
+        entry addresses the pool's last block) and every request holding one of them are touched;
+        a request misread for the first time fires it. The geometry variants' trigger too."""
+        stride, geometry = engine.kernel_stride(), engine.kernel_geometry()
+        if stride is None and not geometry and self.variant not in GEOMETRY:
             return
         snap = engine.snapshot()
+        if self.variant in GEOMETRY:
+            self._reached(snap, engine.step_count)
+        if stride is None and not geometry:
+            return
+        w = snap.table_width
+        stride, ratio, pool = shapes.kernel_reading(snap, stride or w, geometry)
         wrong: dict[str, int] = {}
         for req, row in snap.seq_rows.items():
             blocks = snap.seq_blocks.get(req, [])
-            got = snap.table[row * stride : row * stride + len(blocks)]
+            got = kernel_view(snap.table, row, stride, len(blocks), ratio, pool)
             if got != blocks:
                 wrong[req] = row
                 # the blocks named instead, and its own blocks the kernels miss (unwritten)
@@ -354,14 +399,16 @@ class TableOverflow(Fault):
         if new:
             self.misread.update(new)
             step = engine.step_count
-            self.fired(
-                step,
-                {
-                    "kernel_stride": stride,
-                    "table_width": snap.table_width,
-                    "misread": {r: wrong[r] for r in new},
-                },
-            )
+            detail = {"kernel_stride": stride, "table_width": w} if not geometry else geometry
+            self.fired(step, {**detail, "misread": {r: wrong[r] for r in new}})
+
+    def _reached(self, snap, step: int) -> None:
+        """The geometry variants' trigger, with or without the defect: a sequence the asked
+        geometry would misread (shapes.would_misread) for the first time."""
+        new = sorted(shapes.would_misread(self, snap) - self.reached)
+        if new:
+            self.reached.update(new)
+            self.trigger(step, {"reached": new})
 
     def verify(self) -> dict:
         out = {
@@ -381,7 +428,7 @@ class TableOverflow(Fault):
         ev = finding.get("evidence", {})
         if finding["checker"] == "table_integrity" and ev.get("view") == "kernel":
             # a row as the kernels read it: only a fault pinning their stride makes the two differ
-            return "cause" if truth.get("variant") == "stride_mismatch" else None
+            return "cause" if truth.get("variant") in READ_SIDE else None
         if finding["checker"] == "table_integrity" and (
             ev.get("req") in reqs or ev.get("owner") in reqs or ev.get("row") in rows
         ):

@@ -4,6 +4,7 @@ so a scenario at the article's shape (rows of 128 blocks of 16) runs in seconds 
 
 from __future__ import annotations
 
+from kvchaos.engine.block_table import kernel_view
 from kvchaos.faults.plan import Action
 
 
@@ -105,6 +106,9 @@ def plant(f, engine) -> None:
     """The variant's defect on the engine's seams (the default's: admission and bound check off)."""
     v, seams, table = f.variant, engine.seams, engine.table.table
     bs, mpt = engine.bm.block_size, engine.config.max_prefill_tokens
+    if v in ("slot_past_pool", "kernel_block_size"):  # the rows stay checked: the pool is not
+        seams.geometry_check = False
+        return
     if v not in ("off_by_one", "floor_width", "stride_mismatch", "chunked_growth"):
         seams.admission_check = False
     if v != "stride_mismatch":
@@ -118,3 +122,61 @@ def plant(f, engine) -> None:
         seams.admission_blocks = lambda total, prompt: -(-min(prompt, mpt) // bs)
     elif v == "stride_mismatch":  # the stride the kernels were first launched with, kept
         seams.kernel_stride = table.width
+
+
+def slot_past_pool(f, plan, cfg) -> None:
+    """The neighbours first (they hold the pool's first blocks, block 0 among them), then requests
+    of a row each, more blocks than the pool holds in all: the pool runs dry, and the manager
+    hands out its last block."""
+    cc, step = cfg.cache, f.p["at_step"]
+    cap, width = cc.max_tokens_per_seq, cc.max_blocks_per_seq
+    _neighbours(f, plan, cfg, step, cap, margin=cap)
+    n = min(cc.max_num_seqs - f.p["neighbours"], -(-cc.num_blocks // width) + 1)
+    for i in range(max(1, n)):
+        _submit(f, plan, step, f"fill{i}", cap - 16, 14)
+
+
+def kernel_block_size(f, plan, cfg) -> None:
+    """Neighbours whose contexts span several blocks, read by the kernels every step."""
+    bs = cfg.cache.block_size
+    _neighbours(f, plan, cfg, f.p["at_step"], 3 * bs)
+    _submit(f, plan, f.p["at_step"], "span0", min(6 * bs, cfg.cache.max_tokens_per_seq - 8), 8)
+
+
+SHAPES["slot_past_pool"] = slot_past_pool
+SHAPES["kernel_block_size"] = kernel_block_size
+
+
+def ask_geometry(f, engine) -> None:
+    """The worker's / backend's ask, on the defect's engine and the remediated one alike: a pool
+    one block short of the manager's (slot_past_pool), kernels in blocks twice its block size
+    (kernel_block_size). The remediated engine aligns it (engine/geometry.py)."""
+    if f.variant == "slot_past_pool":
+        engine.size_kv_pool(engine.bm.num_blocks - 1)
+    else:
+        engine.launch_block_size(2 * engine.bm.block_size)
+
+
+def kernel_reading(snap, stride: int, geometry: dict) -> tuple[int, int, int | None]:
+    """(row stride, table blocks per kernel block, the pool in kernel blocks or None) the kernels
+    read the snapshot's table with, given their geometry (engine.kernel_geometry())."""
+    ratio = geometry.get("kernel_block_size", 1) // geometry.get("block_size", 1)
+    if not geometry:
+        return stride, 1, None
+    return stride, ratio, geometry.get("pool_blocks", snap.num_blocks) // ratio
+
+
+def would_misread(f, snap) -> set[str]:
+    """The sequences the asked geometry reads wrong, whether the engine aligned it or not: one
+    holding the pool's last block (slot_past_pool: past a pool one block short), one holding
+    a block but block 0 alone (kernel_block_size: kernel blocks twice the manager's)."""
+    if f.variant == "slot_past_pool":
+        last = snap.num_blocks - 1
+        return {req for req, blocks in snap.seq_blocks.items() if last in blocks}
+    return {
+        req
+        for req, row in snap.seq_rows.items()
+        if (blocks := snap.seq_blocks.get(req, []))
+        and kernel_view(snap.table, row, snap.table_width, len(blocks), 2, snap.num_blocks // 2)
+        != blocks
+    }

@@ -20,7 +20,8 @@ import torch
 import kvchaos
 from kvchaos.engine.engine import Engine
 from kvchaos.harness.check.verdict import EXIT_CODES
-from kvchaos.harness.cli import EXITS, build_parser, main
+from kvchaos.harness.cli import build_parser, main
+from kvchaos.harness.commands import EXITS
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import builtin_scenarios, load_scenario
 
@@ -161,8 +162,9 @@ def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):
     out of reach: this run's verdict is the history's, not the load beside it (timing's)."""
     from kvchaos.harness.scenario.spec import BUILTIN_DIR
 
-    calm = tmp_path / "staging-stall-clean.toml"
-    calm.write_text((BUILTIN_DIR / calm.name).read_text() + "\n[run]\nlatency_slo_ratio = 1e9\n")
+    calm = tmp_path / "staging-stall-from-start-clean.toml"
+    text = (BUILTIN_DIR / calm.name).read_text()
+    calm.write_text(text.replace("[run]\n", "[run]\nlatency_slo_ratio = 1e9\n", 1))
     out = subprocess.run(
         [
             str(KVCHAOS),
@@ -192,7 +194,7 @@ def test_run_baseline_from_the_console_script_prints_the_table(tmp_path):
         f"reports: {tmp_path}  index: {tmp_path / 'index.html'}  latest: {tmp_path / 'latest'}"
         f" -> {(tmp_path / 'latest').resolve().name}"
     )
-    stall = next(d for d in dirs if "staging-stall-clean" in d.name)
+    stall = next(d for d in dirs if "staging-stall-from-start-clean" in d.name)
     theirs = json.loads((stall / "results.json").read_text())["history_digest"]
     ours = run_scenario(load_scenario(calm), 0, report_dir=None).results["history_digest"]
     assert theirs == ours

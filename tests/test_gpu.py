@@ -187,6 +187,29 @@ def test_invalidated_staging_is_pageable_cuda():
 
 
 @gpu
+def test_the_planted_buffer_drops_its_pages_and_its_device_copy_still_lands_cuda():
+    """The real cost on CUDA: the planted buffer's host pages dropped and faulted back in by the
+    staging copy (the kernel's count), then its non_blocking device copy from pageable memory,
+    which holds the host until done and lands the table whole."""
+    pytest.importorskip("pydantic", reason="faults import the workload model, which needs pydantic")
+    import resource
+
+    from kvchaos.faults import make_fault
+    from kvchaos.faults.staging_stall import InvalidatedStaging
+
+    host = torch.arange(1 << 18, dtype=torch.int32)  # 1 MiB, 256 pages
+    buf = InvalidatedStaging(host.numel(), make_fault("staging_stall", True, {}, 0))
+    assert buf.drop_pages(0, buf.page_count()) == buf.page_count() == 256
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    staged = buf.stage(host)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= 256
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(staged, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), host)
+
+
+@gpu
 def test_a_copy_from_pageable_staging_waits_for_the_stream_cuda():
     """From pinned memory the host-to-device copy is queued and the call returns at once; from
     pageable memory the driver first waits for the stream: the host is held until the work queued

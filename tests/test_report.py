@@ -87,7 +87,9 @@ def test_every_section_is_there_and_filled_from_the_run(request, name):
     sec = _sections(md)
     assert list(sec) == SECTIONS
     assert all(sec.values()), [k for k, v in sec.items() if not v]
-    assert inc["kind"] == "detection" and inc["fingerprint"]["failure_mode"] == fault
+    label = next(e for e in events if e["e"] == "fault" and e["kind"] == "armed")["detail"]["label"]
+    assert label.split("/")[0] == fault  # a fault with variants: named mode/variant
+    assert inc["kind"] == "detection" and inc["fingerprint"]["failure_mode"] == label
     assert "PASS" in sec["Verdict"] and r.results["summary"] in sec["Verdict"]
     assert f"fired first at step {verify['first_step']}" in sec["Summary"]
     # trigger: the fault's own parameters, as armed in this run

@@ -204,7 +204,7 @@ BAD_PARAMS = [
         f"cancel_phases.1: expected one of {PHASES}, got 'finished'",
     ),  # the element, by index
     ("staging_stall", "ramp_steps = 0", "ramp_steps: expected an int >= 1, got 0"),
-    ("staging_stall", "page_bytes = 0", "page_bytes: expected an int >= 1, got 0"),
+    ("staging_stall", "burst_every = 0", "burst_every: expected an int >= 1, got 0"),
     ("staging_stall", "plateau_us = -5.0", "plateau_us: expected a number >= 0, got -5.0"),
     ("staging_stall", 'at_step = "20"', f"at_step: {STEPS_FROM_1}, got '20'"),
     ("ordering_race", "probability = 2", "probability: expected a number in [0, 1], got 2"),
@@ -252,7 +252,7 @@ def test_fault_param_values_at_the_edges_of_their_domains_load(tmp_path):
             'paths = [], cancel_phases = ["waiting", "waiting"], fraction = 0, '
             "storm_step = 1, storm_fraction = 1",
         ),
-        ("staging_stall", "page_bytes = 1, ramp_steps = 1, plateau_us = 0"),
+        ("staging_stall", "burst_every = 1, ramp_steps = 1, plateau_us = 0"),
         ("ordering_race", "lag_rank = 0, lag_steps = 5, probability = 1.0, from_step = 1"),
     ]:
         sc = load_scenario(write(tmp_path, HEAD + _fault_body(fault, params), f"{fault}.toml"))

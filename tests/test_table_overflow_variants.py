@@ -13,7 +13,7 @@ import pytest
 from kvchaos.engine import CacheConfig, EngineConfig
 from kvchaos.faults import make_fault
 from kvchaos.faults.base import ParamError
-from kvchaos.faults.table_overflow import DEFAULT, VARIANTS, TableOverflow
+from kvchaos.faults.table_overflow import DEFAULT, READ_SIDE, VARIANTS, TableOverflow
 from kvchaos.harness.check.checkers import check_table_integrity
 from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.run.runner import run_scenario
@@ -32,6 +32,8 @@ REACH = {
     "stride_mismatch": ("resizes", "rows_after_resize"),
     "last_row": ("last_row_holds", "resizes"),
     "chunked_growth": ("multi_block_growths", "full_rows", "overlong_rejections"),
+    "slot_past_pool": ("last_block_holds", "preemption_releases"),  # the pool ran dry
+    "kernel_block_size": ("block_boundary_crossings",),  # contexts read across blocks
 }
 
 
@@ -89,9 +91,7 @@ def test_each_variant_fires_and_is_caught_on_seed_0(runs, variant):
     truth = r.results["fault_verify"]["table_overflow"]
     assert truth["fired"] and truth["variant"] == variant and truth["triggered"] >= 1
     assert r.results["time_to_detect_steps"]["table_overflow"] <= 2
-    assert set(truth["overlong"]) & set(truth["touched"]["requests"]) or variant == (
-        "stride_mismatch"
-    )
+    assert set(truth["overlong"]) & set(truth["touched"]["requests"]) or variant in READ_SIDE
     first = fired(r)[0]
     rejected = {e["req"] for e in r.events if e.get("e") == "reject"}
     if variant == "off_by_one":  # admission on: two blocks over is refused, one over let in
@@ -103,6 +103,11 @@ def test_each_variant_fires_and_is_caught_on_seed_0(runs, variant):
         assert start < 64 < end and end - start <= 24
     elif variant == "stride_mismatch":
         assert first["kernel_stride"] == 16 and first["table_width"] == 24 and first["misread"]
+    elif variant == "slot_past_pool":  # the request holding the pool's last block, misread
+        assert first == {"pool_blocks": 47, "misread": first["misread"]} and first["misread"]
+        assert 47 in truth["touched"]["blocks"] and 0 in truth["touched"]["blocks"]
+    elif variant == "kernel_block_size":
+        assert first["kernel_block_size"] == 8 and first["block_size"] == 4 and first["misread"]
 
 
 def test_the_stride_variant_is_caught_from_the_table_the_kernels_read(runs):
@@ -116,6 +121,47 @@ def test_the_stride_variant_is_caught_from_the_table_the_kernels_read(runs):
     assert not [f for f in judged.findings if f.kind in ("foreign_block", "overlong")]
 
 
+def test_the_geometry_variants_are_caught_from_the_pool_the_kernels_address(runs):
+    """slot_past_pool: the request handed the pool's last block writes into block 0 (a foreign
+    write, the harness's own record of the slots) and is read as block 0 (the kernel view);
+    kernel_block_size: every misread row is judged from the kernel view, the host table right."""
+    r = runs["slot_past_pool", "detect"]
+    table = next(c for c in r.results["checkers"] if c["checker"] == "table_integrity")
+    writes = [f for f in table["findings"] if f["kind"] == "foreign_write"]
+    holders = {
+        q
+        for e in r.events
+        if e.get("e") == "snapshot"
+        for q, bs in e["seq_blocks"].items()
+        if 47 in bs
+    }
+    assert any(f["evidence"]["req"] in holders and 0 in f["evidence"]["blocks"] for f in writes)
+    kernel = [f for f in table["findings"] if f["evidence"].get("view") == "kernel"]
+    assert kernel and all(f["evidence"]["owner"] in holders for f in kernel)
+    for f in kernel:  # block 47 read as block 0
+        ev = f["evidence"]
+        assert (0, 47) in set(zip(ev["row_now"], ev["row_expected"])), ev
+    r = runs["kernel_block_size", "detect"]
+    table = next(c for c in r.results["checkers"] if c["checker"] == "table_integrity")
+    rows = [f for f in table["findings"] if f["kind"] in ("foreign_block", "overlong")]
+    assert rows and all(f["evidence"].get("view") == "kernel" for f in rows)
+    snaps = [e for e in r.events if e.get("e") == "snapshot"]
+    assert all(e["kernel_block_size"] == 8 and e["block_size"] == 4 for e in snaps)
+    geometry = ("kernel_block_size", "block_size")
+    host_only = [{k: v for k, v in e.items() if k not in geometry} for e in snaps]
+    judged = check_table_integrity(host_only)
+    assert not [f for f in judged.findings if f.kind in ("foreign_block", "overlong")]
+
+
+def test_the_clean_geometry_runs_ask_and_are_aligned(runs):
+    for v in ("slot_past_pool", "kernel_block_size"):
+        r = runs[v, "clean"]
+        snaps = [e for e in r.events if e.get("e") == "snapshot"]
+        assert not [e for e in snaps if {"pool_blocks", "kernel_block_size"} & set(e)]
+        asked = [e for e in r.events if e.get("e") == "fault" and e["kind"] == "trigger"]
+        assert asked and all(e["detail"]["reached"] for e in asked)
+
+
 def test_a_kernel_view_finding_is_the_stride_fault_s_alone():
     f = {"checker": "table_integrity", "step": 5, "kind": "foreign_block"}
     f["evidence"] = {"row": 1, "owner": "x", "view": "kernel"}
@@ -123,6 +169,9 @@ def test_a_kernel_view_finding_is_the_stride_fault_s_alone():
     assert TableOverflow.explains(f, {**truth, "variant": "stride_mismatch"}) == "cause"
     assert TableOverflow.explains(f, truth) is None
     assert TableOverflow.explains({**f, "step": 2}, {**truth, "variant": "stride_mismatch"}) is None
+    for v in ("slot_past_pool", "kernel_block_size"):
+        assert TableOverflow.explains(f, {**truth, "variant": v}) == "cause"
+    assert TableOverflow.explains(f, {**truth, "variant": "last_row"}) is None
 
 
 def test_incidents_name_the_variant(runs):
@@ -130,6 +179,11 @@ def test_incidents_name_the_variant(runs):
     incident = build_incidents(r.results, r.events)[0]
     assert incident["title"].startswith("table_overflow/floor_width caught by")
     assert "cdiv(max_model_len, block_size)" in incident["remediation"]
+    for v, said in (("slot_past_pool", "flashinfer#3740"), ("kernel_block_size", "vllm#42872")):
+        r = runs[v, "detect"]
+        incident = build_incidents(r.results, r.events)[0]
+        assert incident["title"].startswith(f"table_overflow/{v} caught by")
+        assert said in incident["root_cause"]["text"] and "align" in incident["remediation"]
 
 
 # -- clean: held, trigger pulled, the edge reached -------------------------------------------------
@@ -158,7 +212,10 @@ def test_the_article_s_resize_remediation_holds_at_its_shape():
 def test_the_soak_draws_every_variant_on_an_engine_it_fits():
     from kvchaos.harness.tools.soak_space import SPACE, generate_scenario
 
-    assert SPACE["faults"]["table_overflow"]["variant"] == OTHERS  # the default: its own share
+    drawn = (
+        SPACE["faults"]["table_overflow"]["variant"] + SPACE["table_overflow_geometry"]["variant"]
+    )
+    assert drawn == OTHERS  # the default: its own share; the geometry variants: their own stream
 
     seen = set()
     for seed in range(300):

@@ -90,7 +90,7 @@ def test_the_race_fires_from_what_the_engine_did_not_from_the_checkers_crc(monke
 @pytest.mark.parametrize(
     "name, edit",
     [
-        ("staging-stall-clean", lambda d: d["faults"][0]["params"].update(at_step=5000)),
+        ("staging-stall-bursts-clean", lambda d: d["faults"][0]["params"].update(at_step=5000)),
         ("ordering-race-clean", lambda d: d["faults"][0]["params"].update(probability=0.0)),
         (
             "table-overflow-clean",

@@ -6,8 +6,11 @@ Strategies alternate every few steps on one engine, so all see the same batch, c
 machine noise. Also the bare upload: how long the host is blocked
 by the copy call, and when the copy is complete.
 
-On the CPU there is no host-to-device copy at all, so the comparison does not apply; the result
-says so instead of reporting a number.
+On the CPU there is no host-to-device copy at all, so that comparison does not apply (`measure`
+says so instead of reporting a number). What does apply there is the staging-stall fault's real
+cost, which `page_faults` measures: the staging copy into a pinned (mlock'ed) buffer, a pageable
+one whose pages stay, and a pageable one whose pages were dropped before the copy (MADV_DONTNEED,
+as the fault does), with the kernel's minor-fault count across each copy.
 
   python -m kvchaos.harness.bench.staging [--json FILE]
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -35,6 +39,8 @@ NOT_APPLICABLE = (
 )
 # "default": the scenarios' table size; "large": serving size (256 sequences x 2048 blocks, 2 MiB)
 TABLES = {"default": (16, 32), "large": (256, 2048)}
+# the page-fault cost's tables: also the soak's and the small stalls' (100 x 512, 200 KiB)
+FAULT_TABLES = {"default": (16, 32), "staged": (100, 512), "large": (256, 2048)}
 STRATEGIES = {
     "pinned": lambda n: StagingBuffer(n, pinned=True),
     "pageable": lambda n: StagingBuffer(n, pinned=False),
@@ -125,6 +131,43 @@ def upload_times(numel: int, device: str, runs: int = 50) -> dict:
     return out
 
 
+def page_faults(runs: int = 40) -> dict:
+    """Per table size: the staging copy's median time (us) and minor faults, pinned vs pageable
+    vs pageable with its pages dropped before each copy. On CPU or CUDA alike: host memory."""
+    out = {}
+    for label, (seqs, width) in FAULT_TABLES.items():
+        host = torch.arange(seqs * width, dtype=torch.int32)
+        row = {"table_bytes": host.numel() * 4}
+        for name, pinned, drop in (
+            ("pinned", True, False),
+            ("pageable", False, False),
+            ("pageable_dropped", False, True),
+        ):
+            buf = StagingBuffer(host.numel(), pinned=pinned)
+            buf.stage(host)  # resident, as a buffer in use is
+            times, faults, dropped = [], [], 0
+            for _ in range(runs):
+                if drop:
+                    dropped = buf.drop_pages(0, buf.page_count())
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                t0 = time.perf_counter()
+                buf.stage(host)
+                times.append(time.perf_counter() - t0)
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            row[name] = {
+                "pinned": buf.pinned,
+                "pages_dropped": dropped,
+                "median_us": round(statistics.median(times) * 1e6, 1),
+                "min_us": round(min(times) * 1e6, 1),
+                "minflt_median": statistics.median(faults),
+            }
+        row["dropped_minus_pinned_us"] = round(
+            row["pageable_dropped"]["median_us"] - row["pinned"]["median_us"], 1
+        )
+        out[label] = row
+    return out
+
+
 def measure(device: str | None = None, rounds: int = 10, steps_per_round: int = 12) -> dict:
     device = resolve_device(device)
     if not device.startswith("cuda"):
@@ -143,6 +186,18 @@ def measure(device: str | None = None, rounds: int = 10, steps_per_round: int = 
             "upload": upload_times(eng.staging.tensor.numel(), device),
         }
     return res
+
+
+def print_page_faults(r: dict) -> None:
+    print("staging copy, host memory: median us (minor faults), pinned / pageable / dropped")
+    for label, t in r.items():
+        p, q, d = t["pinned"], t["pageable"], t["pageable_dropped"]
+        print(
+            f"  {label} table ({t['table_bytes'] / 1024:.0f} KiB): {p['median_us']} "
+            f"({p['minflt_median']:g}) / {q['median_us']} ({q['minflt_median']:g}) / "
+            f"{d['median_us']} ({d['minflt_median']:g}, {d['pages_dropped']} pages dropped): "
+            f"{t['dropped_minus_pinned_us']:+} us"
+        )
 
 
 def print_report(r: dict) -> None:
@@ -176,6 +231,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     result = measure()
     print_report(result)
+    result["page_faults"] = page_faults()
+    print_page_faults(result["page_faults"])
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     sys.exit(0)

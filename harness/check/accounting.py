@@ -15,6 +15,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
     no blocks held by a request that has ended (a leak, blamed on the cancel that ended it), and,
     where snapshots carry per-sequence token counts, no new tokens written into a shared block."""
     found, ended, cancels = [], {}, {}
+    failed: set[str] = set()  # ended in error by the engine (its own failure in a step)
     snaps = 0
     seen_leaks: set[str] = set()
     seen_reserved: set[int] = set()
@@ -30,8 +31,9 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
             ended[e["req"]] = e["step"]
             cancels[e["req"]] = e
         elif kind == "step":
-            for r in e.get("finished", []):
+            for r in (*e.get("finished", ()), *e.get("failed", ())):
                 ended[r] = e["step"]
+            failed.update(e.get("failed", ()))
         elif kind == "snapshot":
             snaps += 1
             s = e["step"]
@@ -44,7 +46,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                 if bs and e.get("seq_tokens") is not None:
                     found += _shared_writes(e, tokens, bs, cache)
                     tokens = e["seq_tokens"]
-                _ended_holding(e, ended, cancels, seen_leaks, found)
+                _ended_holding(e, ended, cancels, seen_leaks, found, failed)
                 continue
             n0 = len(found)
             reserved = set(e.get("reserved") or ())  # never handed out (vLLM's null block)
@@ -105,7 +107,7 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
                     )
                 )
             last_pool, pool_clean = pool, n0 == n1 and n2 == len(found)
-            _ended_holding(e, ended, cancels, seen_leaks, found)
+            _ended_holding(e, ended, cancels, seen_leaks, found, failed)
     end = of_kind(events, "run_end")
     last = [e for e in events if e.get("e") == "snapshot"]
     if end and last and end[-1].get("reason") in ("done", "max_steps"):
@@ -141,8 +143,11 @@ def check_block_accounting(events: list[dict]) -> CheckResult:
     return judged_result("block_accounting", found, snaps)
 
 
-def _ended_holding(snap: dict, ended: dict, cancels: dict, seen: set, found: list) -> None:
-    """Requests that ended but still hold blocks: leaked (blamed on how they ended), once each."""
+def _ended_holding(
+    snap: dict, ended: dict, cancels: dict, seen: set, found: list, failed: set
+) -> None:
+    """Requests that ended but still hold blocks: leaked (blamed on how they ended: a cancel, the
+    engine's abort of a failed request, or a finish), once each."""
     for req, blocks in snap["seq_blocks"].items():
         if req in ended and req not in seen:
             seen.add(req)
@@ -150,14 +155,17 @@ def _ended_holding(snap: dict, ended: dict, cancels: dict, seen: set, found: lis
             how = (
                 f"cancelled at step {c['step']} in phase {c['phase']}"
                 if c
+                else f"ended in error at step {ended[req]} (the engine's abort)"
+                if req in failed
                 else f"ended at step {ended[req]}"
             )
+            ev = {"req": req, "blocks": blocks, "cancel": c}
             found.append(
                 Finding(
                     checker="block_accounting",
                     step=snap["step"],
                     message=f"request {req} {how} but still holds {len(blocks)} blocks: leaked",
-                    evidence={"req": req, "blocks": blocks, "cancel": c},
+                    evidence={**ev, "failed": True} if req in failed else ev,
                     manifest=False,
                     kind="leak",
                 )

@@ -9,6 +9,7 @@ import operator
 import traceback
 from typing import Callable
 
+from kvchaos.engine.block_table import kernel_view
 from kvchaos.harness.check.accounting import check_block_accounting
 from kvchaos.harness.check.cache_checks import check_kv_reads, check_prefix_cache
 from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
@@ -82,6 +83,10 @@ def check_oracle_divergence(events: list[dict]) -> CheckResult:
     return judged_result("oracle_divergence", found, len(results))
 
 
+# a snapshot's kernel geometry, where it is not the manager's (engine kernel_stride, geometry.py)
+KERNEL_KEYS = ("kernel_stride", "kernel_block_size", "pool_blocks")
+
+
 def check_table_integrity(events: list[dict]) -> CheckResult:
     """Every row holds exactly its sequence's blocks, then -1; rows nobody owns are all -1. A
     snapshot whose kernels index the table at another row stride (kernel_stride) is judged as
@@ -92,12 +97,13 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
     for e in of_kind(events, "snapshot"):
         snaps += 1
         table, w, s = e["table"], e["table_width"], e["step"]
-        now = (table, e["seq_rows"], e["seq_blocks"], w, e.get("kernel_stride"))
+        geometry = tuple(e.get(k) for k in KERNEL_KEYS)
+        now = (table, e["seq_rows"], e["seq_blocks"], w, geometry)
         if last and now[3:] == last[3:] and all(map(operator.is_, now[:3], last[:3])):
             continue  # the very objects judged before (shared in memory): told already
         last = now
-        if now[4] is not None:
-            found += _kernel_rows(e, now[4], reported)
+        if any(g is not None for g in geometry):
+            found += _kernel_rows(e, reported)
         owner: dict[int, str] = {}
         for req, row in e["seq_rows"].items():
             if row in owner and ("shared_row", row, owner[row], req) not in reported:
@@ -161,13 +167,25 @@ def check_table_integrity(events: list[dict]) -> CheckResult:
     return judged_result("table_integrity", found, snaps)
 
 
-def _kernel_rows(e: dict, stride: int, reported: set) -> list[Finding]:
-    """The entries the kernels read for each live sequence, row r from r * stride: exactly its
-    blocks (the host table may be right while the kernels read another row's entries)."""
-    found, table = [], e["table"]
+def _kernel_rows(e: dict, reported: set) -> list[Finding]:
+    """The blocks the kernels read for each live sequence, through the snapshot's kernel geometry
+    (block_table.kernel_view): row r from r * kernel_stride, in kernel blocks of
+    kernel_block_size, an entry past a pool of pool_blocks wrapped to its start: exactly its
+    blocks (the host table may be right while the kernels read other blocks)."""
+    found, table, w = [], e["table"], e["table_width"]
+    stride = e.get("kernel_stride") or w
+    kbs, bs = e.get("kernel_block_size"), e.get("block_size")
+    ratio = kbs // bs if kbs and bs else 1
+    pool = e.get("pool_blocks", e.get("num_blocks"))
+    pool_k = pool // ratio if pool is not None and (ratio > 1 or "pool_blocks" in e) else None
+    how = f"at stride {stride}, the table's width being {w}"
+    if ratio > 1:
+        how = f"in blocks of {kbs} tokens, the manager's being {bs}"
+    elif "pool_blocks" in e:
+        how = f"over a pool of {e['pool_blocks']} blocks, the manager's being {e['num_blocks']}"
     for req, row in e["seq_rows"].items():
         blocks = e["seq_blocks"].get(req, [])
-        got = table[row * stride : row * stride + len(blocks)]
+        got = kernel_view(table, row, stride, len(blocks), ratio, pool_k)
         if got == blocks or ("kernel", req, tuple(got)) in reported:
             continue
         reported.add(("kernel", req, tuple(got)))
@@ -177,9 +195,8 @@ def _kernel_rows(e: dict, stride: int, reported: set) -> list[Finding]:
             Finding(
                 checker="table_integrity",
                 step=e["step"],
-                message=f"the kernels read row {row} (request {req}) at stride {stride}, the "
-                f"table's width being {e['table_width']}: entries {bad[:8]} name blocks "
-                f"{intruders[:8]} it does not own",
+                message=f"the kernels read row {row} (request {req}) {how}: entries {bad[:8]} "
+                f"name blocks {intruders[:8]} it does not own",
                 evidence={
                     "row": row,
                     "owner": req,
@@ -316,6 +333,7 @@ def check_liveness(
         elif k == "step":
             last_step = e["step"]
             ended.update(e.get("finished", []))
+            ended.update(e.get("failed", ()))
             if e.get("tokens"):
                 last_token = e["step"]
             for r in e.get("tokens", {}):

@@ -15,6 +15,7 @@ TABLE_EDGES = (
     "multi_block_growths",  # a held sequence grown by 2+ blocks at once (a prefill chunk)
     "rows_after_resize",  # sequences in a row past the first once the table grew wider
     "overlong_rejections",  # requests over a row refused at admission (429-style)
+    "last_block_holds",  # sequences that held the pool's last block (num_blocks - 1)
 )
 
 
@@ -30,6 +31,7 @@ def exercised(events: list[dict]) -> dict:
     edges = {k: 0 for k in TABLE_EDGES}
     full: set[str] = set()
     last_row: set[str] = set()
+    last_block: set[str] = set()
     after_resize: set[str] = set()
     first_width = None
     for e in events:
@@ -38,7 +40,9 @@ def exercised(events: list[dict]) -> dict:
         w = e["table_width"]
         first_width = w if first_width is None else first_width
         if e["seq_blocks"] is not last_blocks or e["seq_rows"] is not last_rows:
-            _edges(e, seen_blocks, full, last_row, after_resize, w > first_width, edges)
+            _edges(
+                e, seen_blocks, (full, last_row, last_block), after_resize, w > first_width, edges
+            )
         if e["seq_blocks"] is not last_blocks:  # not the very object counted before
             last_blocks = e["seq_blocks"]
             for seq, blocks in last_blocks.items():
@@ -50,7 +54,9 @@ def exercised(events: list[dict]) -> dict:
                 if row_owner.get(row, seq) != seq:
                     row_reuses += 1
                 row_owner[row] = seq
-    edges.update(full_rows=len(full), last_row_holds=len(last_row))
+    edges.update(
+        full_rows=len(full), last_row_holds=len(last_row), last_block_holds=len(last_block)
+    )
     edges.update(rows_after_resize=len(after_resize))
     edges["overlong_rejections"] = counters.get("overlong_rejected", 0)
     forks = sum(1 for e in events if e.get("e") == "submit" and e.get("parent"))
@@ -114,24 +120,35 @@ def offload_paths(events: list[dict], counters: dict) -> dict[str, int]:
 
 
 def leak_paths(events: list[dict]) -> dict[str, int]:
-    """Cancels per phase (prefill, decode, waiting after a refused admission, preempted), frees
-    of shared blocks (all shared, or shared and private: partial), preemption releases, and the
-    cancels in all (rate)."""
+    """Cancels per phase (prefill, decode, waiting after a refused admission, waiting holding
+    blocks, preempted), frees of shared blocks (all shared, or shared and private: partial),
+    preemption releases, the cancels in all (rate), and the requests the engine itself ended in
+    error in a step (engine_abort)."""
     refused: set[str] = set()
     last_held: dict | None = None  # the latest snapshot's seq_blocks
     out = dict.fromkeys(
-        ("cancels", "cancels_after_refused_admission", "frees_all_shared", "frees_partly_shared"),
+        (
+            "cancels",
+            "cancels_after_refused_admission",
+            "cancels_waiting_holding",
+            "frees_all_shared",
+            "frees_partly_shared",
+            "engine_aborts",
+        ),
         0,
     )
     for e in events:
         kind = e.get("e")
         if kind == "snapshot":
             last_held = e["seq_blocks"]
+        elif kind == "step":
+            out["engine_aborts"] += len(e.get("failed", ()))
         elif kind == "engine" and e.get("kind") == "refusal" and e["data"]["call"] == "admit":
             refused.add(e["data"]["seq"])
         elif kind == "cancel":
             out["cancels"] += 1
             out["cancels_after_refused_admission"] += e["req"] in refused
+            out["cancels_waiting_holding"] += e.get("phase") == "waiting" and bool(e.get("blocks"))
             if e.get("shared") and last_held is not None:  # held by no one else: private
                 others = {b for s, bs in last_held.items() if s != e["req"] for b in bs}
                 private = any(b not in others for b in e.get("blocks", ()))
@@ -141,14 +158,19 @@ def leak_paths(events: list[dict]) -> dict[str, int]:
     return out
 
 
-def _edges(e, seen_blocks, full, last_row, after_resize, resized: bool, edges: dict) -> None:
-    """One snapshot's table edges (before seen_blocks takes its block counts)."""
+def _edges(e, seen_blocks, held: tuple, after_resize, resized: bool, edges: dict) -> None:
+    """One snapshot's table edges (before seen_blocks takes its block counts); held: the sets of
+    sequences that filled a row, held the last row, held the pool's last block."""
+    full, last_row, last_block = held
     w, rows = e["table_width"], len(e["table"]) // max(1, e["table_width"])
+    top = e.get("num_blocks", 0) - 1
     for seq, blocks in e["seq_blocks"].items():
         before = seen_blocks.get(seq, 0)
         edges["multi_block_growths"] += before > 0 and len(blocks) - before >= 2
         if len(blocks) >= w:
             full.add(seq)
+        if top in blocks:
+            last_block.add(seq)
     for seq, row in e["seq_rows"].items():
         if row == rows - 1:
             last_row.add(seq)

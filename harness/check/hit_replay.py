@@ -137,7 +137,7 @@ class _Replay:
             self.ref.end_step(computed)
         for req, tok in out.items():
             self.tokens[req].append(tok)
-        for req in ev["finished"]:
+        for req in (*ev["finished"], *ev.get("failed", ())):
             self.release(req)
 
 

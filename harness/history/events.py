@@ -106,6 +106,7 @@ class Step(_Step, total=False):
     stage_s: float  # the upload's copy into the staging buffer (histories from before: none)
     probe_s: float  # the same copy through a sound buffer beside it, in the step (calibration)
     host_cpu_s: float  # the CPU time of host_s (a neighbour's load does not add to it)
+    failed: list[str]  # requests the engine ended in error in the step (their own failure)
 
 
 class _Snapshot(TypedDict):

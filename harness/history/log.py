@@ -117,6 +117,7 @@ UNSTABLE_KEYS = frozenset(
         "wait_s",
         "cpu_s",
         "harness_s",
+        "minflt",  # the kernel's page-fault counts (the staging stall's ground truth)
         "time",
         "wall_s",
         "telemetry",

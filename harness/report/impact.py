@@ -17,6 +17,7 @@ HOW = {
     "foreign_block": "its table row holds blocks it does not own",
     "leak": "cancelled, but its blocks were never freed",
     "leak_ended": "finished, but its blocks were never freed",
+    "leak_failed": "ended in error by the engine, but its blocks were never freed",
     "divergence": "outputs diverged from the oracle",
     "starvation": "starved: produced nothing",
     "unfinished": "never finished",
@@ -109,7 +110,9 @@ def impact_of(
         reqs = [ev[k] for k in ("req", "owner") if ev.get(k)] + list(ev.get("requests", []))
         if not reqs and f["kind"] in ("latency_climb", "stale_table"):
             reqs = sorted(v.requests_at(ev.get("window") or [f["step"]]))
-        kind = "leak_ended" if f["kind"] == "leak" and not ev.get("cancel") else f["kind"]
+        kind = f["kind"]
+        if kind == "leak" and not ev.get("cancel"):
+            kind = "leak_failed" if ev.get("failed") else "leak_ended"
         for r in reqs:
             affected.setdefault(r, set()).add(HOW.get(kind, f"named by {f['checker']}"))
         if f["kind"] in WRONG_OUTPUT and ev.get("req"):

@@ -60,7 +60,7 @@ class _Prober:
                 d.update(cache_delta({}, cache, self.run.cfg.cache.num_blocks)[0])
         except Exception:  # the run's own snapshot check tells what is wrong with it
             return None
-        return {"e": "snapshot", "step": step, **d, "live": [s.id for s in e.scheduler.running]}
+        return {"e": "snapshot", "step": step, **d, "live": e.scheduler.live()}
 
     def pre(self, name: str, args: tuple) -> None:
         if name == "release":  # a leak is judged by what the released sequence held

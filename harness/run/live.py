@@ -91,7 +91,7 @@ class LiveRun:
             self.h.append({"e": "snapshot_invalid", "step": step, "problem": wrong})
             return
         self.last_snap = (step, snap)
-        live = [s.id for s in e.scheduler.running]
+        live = e.scheduler.live()  # (those waiting for their KV to land hold blocks too)
         live = self.passed["live"] if live == self.passed.get("live") else live  # as judge does
         self.passed = {
             **d,
@@ -103,6 +103,7 @@ class LiveRun:
         stride = e.kernel_stride()
         if stride is not None:  # the kernels read this table at another stride: judged as read
             ev["kernel_stride"] = stride
+        ev.update(e.kernel_geometry())  # ... or in another block size, or a pool sized short
         self.h.append(ev)
 
     def _check_writes(self, step: int) -> None:
@@ -264,6 +265,8 @@ class LiveRun:
             blocks = snap.seq_blocks.get(req, [])
             if any(snap.ref_counts[b] > 1 for b in blocks):
                 return "shared"
+        if seq.state is State.WAITING and seq.id in self.engine.scheduler.loading:
+            return "loading"  # waiting, holding the blocks its KV lands in
         return seq.phase
 
     def _waits(self, a) -> bool | None:
@@ -362,7 +365,7 @@ class LiveRun:
                         "e": "cancel",
                         "step": step,
                         "req": a.req,
-                        "phase": before if phase == "shared" else phase,
+                        "phase": before if phase in ("shared", "loading") else phase,
                         "shared": phase == "shared",
                         "blocks": blocks,
                         "origin": a.origin,
@@ -453,6 +456,7 @@ class LiveRun:
                     "preempted": st.preempted,
                     "tokens": out.tokens,
                     "finished": out.finished,
+                    **({"failed": out.failed} if out.failed else {}),
                     "table_version": st.table_version,
                     "stale_ranks": st.stale_ranks,
                     "rank_crcs": st.rank_table_crcs,

@@ -39,7 +39,7 @@ class OracleFeed:
                 continue
             self.logits.setdefault(req, []).append(row)
             self.token_steps.setdefault(req, []).append(step)
-        for req in out.finished:
+        for req in (*out.finished, *out.failed):
             self.done(req, step)
         if step % ORACLE_EVERY == 0:
             self.check_live(step)

@@ -41,11 +41,21 @@ SPACE = {
     # of the leak classes; the shapes prefix-cache bugs need, rounds each, with a prefix cache
     "leak_variant": {
         "any": 0.4,
-        "variant": ["prefill", "decode", "shared", "preempted", "retry", "partial", "rate"],
+        "variant": [
+            "prefill",
+            "decode",
+            "shared",
+            "preempted",
+            "retry",
+            "partial",
+            "rate",
+            "waiting",
+            "engine_abort",
+        ],
         "cancels": (1, 3),
     },
     "prefix_shapes": {"probability": 0.5, "rounds": (0, 1)},
-    # the stall's variant, drawn from its own stream: the ramp's draws stay what they were
+    # the stall's variant, drawn from its own stream (the fault's own params stay as drawn)
     "staging_variant": {
         "variant": ["ramp", "from_start", "bursts"],
         "burst_steps": (5, 8),
@@ -92,6 +102,12 @@ SPACE = {
     },
     # the table_overflow variant: its default (unchecked) this share of the time
     "table_overflow_default_share": 0.4,
+    # the kernel-geometry variants (added later), drawn on a stream of their own in this share of
+    # a non-default draw: every other seed's variant stays what it was
+    "table_overflow_geometry": {
+        "variant": ["slot_past_pool", "kernel_block_size"],
+        "share": 0.25,
+    },
     # the ordering race's variants, drawn from a stream of their own, each with the params it
     # sets over the drawn ones: the triggers of cow_lag (a copy-on-write, so forks: never in a
     # stall's workload) and stale_unread (a step that changes freed rows alone) are rare, so
@@ -165,12 +181,18 @@ class Fit:
                 f"block sizes other than {', '.join(map(str, self.block_size_choices()))}: "
                 f"it supports {', '.join(map(str, self.block_sizes or ()))} (its block_sizes)"
             )
-        from kvchaos.faults.leak_variants import REFERENCE_ONLY
+        from kvchaos.faults.leak_variants import DELAYED_KV, REFERENCE_ONLY
 
         out.append(
             f"refcount_leak variants {', '.join(REFERENCE_ONLY)}: they plant in the reference"
             " managers only"
         )
+        if "prefix_cache" in self.capabilities:
+            out.append(
+                f"refcount_leak variant {', '.join(DELAYED_KV)}: its requests hold blocks whose KV"
+                " lands later, which a prefix cache keying blocks as it allocates them caches"
+                " unwritten (protocol v2 cannot ask it to wait)"
+            )
         if "fork" not in self.capabilities:
             out.append("fork groups: it does not declare the fork capability")
         return out
@@ -299,17 +321,20 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
 
 
 def _staging_variant(seed: int, faults: list[dict]) -> dict:
-    """The staging stall's variant, from its own stream; the [run] settings a real-cost one needs:
-    a floor for a stall of ~0.1 ms, a snapshot every 10th step (each holds the serving-size
-    table), so it is drawn alone in the mix (the others' checks want every step's snapshot).
-    {} for the ramp or no stall."""
+    """The staging stall's variant, from its own stream; the [run] settings its real cost needs
+    (every variant's: its pages really fault in, about a microsecond each): a floor for a stall
+    of ~0.1 ms, a snapshot every 10th step (each holds the serving-size table), so it is drawn
+    alone. In a mix (whose other checks want every step's snapshot) the stall is the ramp's
+    trigger alone: the remediated engine re-allocates, and no defect is planted that the mix's
+    small table could not show. {} for no stall, or a stall in a mix."""
     f = next((f for f in faults if f["name"] == "staging_stall"), None)
     if f is None:
         return {}
+    if len(faults) > 1:
+        f["defect"] = False
+        return {}
     r = random.Random(f"{seed}/soak/staging_stall/variant")
     drawn = {k: _draw(r, spec) for k, spec in SPACE["staging_variant"].items()}
-    if drawn["variant"] == "ramp" or len(faults) > 1:
-        return {}
     f["params"]["variant"] = drawn["variant"]
     if drawn["variant"] == "bursts":
         f["params"].update(burst_steps=drawn["burst_steps"], burst_every=drawn["burst_every"])
@@ -324,12 +349,16 @@ def _excluded(name: str, faults: list[dict]) -> bool:
 
 def _leak_variant(fault: dict, rng: random.Random, fit: Fit | None = None) -> None:
     """Most draws take one of the leak classes; the rest keep the article's case (no param).
-    Under another manager, only the classes that plant on the engine's seams."""
-    from kvchaos.faults.leak_variants import REFERENCE_ONLY
+    Under another manager, only the classes that plant on the engine's seams (and, with a prefix
+    cache, none whose KV lands later: DELAYED_KV)."""
+    from kvchaos.faults.leak_variants import DELAYED_KV, REFERENCE_ONLY
 
     spec = SPACE["leak_variant"]
     if rng.random() >= spec["any"]:
-        choices = [v for v in spec["variant"] if fit is None or v not in REFERENCE_ONLY]
+        out = () if fit is None else REFERENCE_ONLY
+        if fit is not None and "prefix_cache" in fit.capabilities:
+            out += DELAYED_KV
+        choices = [v for v in spec["variant"] if v not in out]
         v, n = rng.choice(choices), _draw(rng, spec["cancels"])
         fault["params"] = {"variant": v, "cancels": n}
 
@@ -369,18 +398,24 @@ def _table_overflow_variant(seed: int) -> dict:
     r = random.Random(f"{seed}/soak/table_overflow/variant")
     if r.random() < SPACE["table_overflow_default_share"]:
         return {}
-    return {"variant": r.choice(SPACE["faults"]["table_overflow"]["variant"])}
+    v = r.choice(SPACE["faults"]["table_overflow"]["variant"])
+    g, geo = random.Random(f"{seed}/soak/table_overflow/geometry"), SPACE["table_overflow_geometry"]
+    return {"variant": g.choice(geo["variant"]) if g.random() < geo["share"] else v}
 
 
 def _fit_table_overflow(engine: dict, fault: dict) -> None:
     """What a table_overflow variant needs of the engine: a resize policy (stride_mismatch), a
     block of 3+ tokens (floor_width), a prefill chunk that crosses a row's end mid-chunk
-    (chunked_growth)."""
+    (chunked_growth), rows for requests that run the pool dry (slot_past_pool)."""
     v, cache = fault["params"].get("variant"), engine["cache"]
     if v == "stride_mismatch":
         cache["overflow_policy"] = "resize"
     elif v == "floor_width" and cache["block_size"] < 3:
         cache["block_size"] = 4
+    elif v == "slot_past_pool":  # rows enough for its requests to run the pool dry at once
+        pool_rows = -(-cache["num_blocks"] // cache["max_blocks_per_seq"])
+        rows = fault["params"].get("neighbours", 3) + pool_rows + 2
+        cache["max_num_seqs"] = max(cache["max_num_seqs"], rows)
     elif v == "chunked_growth":
         cap = cache["max_blocks_per_seq"] * cache["block_size"]
         mpt = min(engine["max_prefill_tokens"], cap - 1)
