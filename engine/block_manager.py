@@ -65,7 +65,12 @@ class BlockManager:
     capabilities = frozenset({"fork", "seq_tokens", "estimates", "append_decode", "own_table"})
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
@@ -77,6 +82,16 @@ class BlockManager:
         # set (a planted leak, faults/refcount_leak.py): release_skips(seq_id, reason, blocks)
         # names the blocks whose reference the release keeps; None costs nothing
         self.release_skips: Callable[[str, str, list], Sequence[int]] | None = None
+        # a host tier of host_blocks slots ("offload"): store / restore a sequence's blocks
+        self.host = BlockPool(host_blocks) if host_blocks > 0 else None
+        self.host_slots: dict[str, list[int]] = {}  # seq -> its host slots, in logical order
+        self.copying: dict[str, str] = {}  # seq -> "store" | "restore" until offload_done
+        # set (a planted bug, faults/offload.py host_slot_freed): host_frees_early(seq_id) says
+        # a completed store gives its host slots back while the sequence still needs them
+        self.host_frees_early: Callable[[str], bool] | None = None
+        self._freed_early: dict[str, set[int]] = {}  # seq -> its slots so given back (once)
+        if self.host is not None:
+            self.capabilities = type(self).capabilities | {"offload"}
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -244,9 +259,10 @@ class BlockManager:
     def release(self, seq_id: str, reason: Reason) -> bool:
         """Release every block and the row of seq_id, whatever the reason (no cache: an "error"
         leaves no key behind). Idempotent: an unknown id returns False."""
+        self._release_host(seq_id)
         blocks = self.blocks.pop(seq_id, None)
         if blocks is None:
-            return False
+            return self.num_tokens.pop(seq_id, None) is not None  # stored out: host slots only
         row = self.rows.pop(seq_id)
         del self.num_tokens[seq_id]
         self.table.clear(row, len(blocks))
@@ -259,6 +275,75 @@ class BlockManager:
         self._free_rows.append(row)
         return True
 
+    # -- the host tier ("offload"; docs/protocol-v2.md section 10) -----------------------
+    @property
+    def host_blocks(self) -> int:
+        return self.host.num_blocks if self.host is not None else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self.host.free) if self.host is not None else 0
+
+    def offload_store(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Host slots for the blocks holding seq_id's first num_tokens tokens (those computed):
+        (device block, host slot) in logical order. Blocks past them (reserved, never written) go
+        back now; the stored ones stay held until offload_done. Atomic: OutOfBlocks."""
+        if seq_id not in self.rows or seq_id in self.copying:
+            raise KeyError(f"offload_store of {seq_id!r}: not resident, or a copy in flight")
+        blocks, host = self.blocks[seq_id], self.host
+        keep = -(-num_tokens // self.block_size)
+        if not 0 < num_tokens <= self.num_tokens[seq_id]:
+            raise ValueError(f"offload_store of {seq_id!r}: {num_tokens} tokens stored")
+        if keep > len(host.free):
+            raise OutOfBlocks(f"sequence {seq_id}: {keep} blocks, host tier full")
+        row = self.rows[seq_id]
+        for i in range(len(blocks) - 1, keep - 1, -1):
+            self.table.host[row * self.table.width + i] = -1
+            self.pool.decref(blocks.pop())
+        self.num_tokens[seq_id] = num_tokens
+        slots = [host.allocate() for _ in blocks]
+        self.host_slots[seq_id], self.copying[seq_id] = slots, "store"
+        return list(zip(blocks, slots))
+
+    def offload_restore(self, seq_id: str) -> list[tuple[int, int]]:
+        """New device blocks (and a row) for a stored seq_id: (host slot, device block) in logical
+        order. Its host slots stay held until offload_done. Atomic: OutOfBlocks."""
+        if seq_id in self.rows or seq_id not in self.host_slots or seq_id in self.copying:
+            raise KeyError(f"offload_restore of {seq_id!r}: not stored out, or a copy in flight")
+        slots = self.host_slots[seq_id]
+        if len(slots) > len(self.pool.free) or not self._free_rows:
+            raise OutOfBlocks(f"sequence {seq_id}: restoring {len(slots)} blocks, no room")
+        row = self.rows[seq_id] = self._free_rows.pop()
+        blocks = self.blocks[seq_id] = [self.pool.allocate() for _ in slots]
+        for i, b in enumerate(blocks):
+            self.table.write(row, i, b)
+        self.copying[seq_id] = "restore"
+        return list(zip(slots, blocks))
+
+    def offload_done(self, seq_id: str) -> None:
+        """seq_id's copy completed: a store's device blocks and row go back (the sequence is on
+        the host tier alone), a restore's host slots do."""
+        kind = self.copying.pop(seq_id)
+        if kind == "restore":
+            self._release_host(seq_id)
+            return
+        if self.host_frees_early is not None and self.host_frees_early(seq_id):
+            for slot in self.host_slots[seq_id]:
+                self.host.decref(slot)
+            self._freed_early[seq_id] = set(self.host_slots[seq_id])
+        blocks, row = self.blocks.pop(seq_id), self.rows.pop(seq_id)
+        self.table.clear(row, len(blocks))
+        for b in reversed(blocks):
+            self.pool.decref(b)
+        self._free_rows.append(row)
+
+    def _release_host(self, seq_id: str) -> None:
+        self.copying.pop(seq_id, None)
+        given = self._freed_early.pop(seq_id, ())
+        for slot in self.host_slots.pop(seq_id, ()):
+            if slot not in given:
+                self.host.decref(slot)
+
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows = self.table.rows
         self.table.resize(rows or self.table.rows, width or self.table.width)
@@ -266,7 +351,7 @@ class BlockManager:
 
     # -- observation ---------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
-        return Snapshot(
+        snap = Snapshot(
             num_blocks=self.pool.num_blocks,
             free=list(self.pool.free),
             ref_counts=list(self.pool.ref),
@@ -274,5 +359,21 @@ class BlockManager:
             seq_rows=dict(self.rows),
             table=self.table.host.tolist(),
             table_width=self.table.width,
-            seq_tokens=dict(self.num_tokens),
+            seq_tokens={s: n for s, n in self.num_tokens.items() if s in self.blocks},
+        )
+        if self.host is not None:
+            snap.host_blocks = {s: list(v) for s, v in self.host_slots.items()}
+            snap.host_free = list(self.host.free)
+        return snap
+
+
+class HostTierBlockManager(BlockManager):
+    """The reference with a host tier of twice its device blocks ("offload"): what conformance
+    (`--block-manager kvchaos.engine.block_manager:HostTierBlockManager`) drives the tier on."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        super().__init__(
+            num_blocks, block_size, max_num_seqs, max_blocks_per_seq, host_blocks=2 * num_blocks
         )

@@ -14,7 +14,7 @@ import time
 import traceback
 
 from kvchaos.engine.errors import KVChaosError, OutOfBlocks
-from kvchaos.engine.protocols import Snapshot
+from kvchaos.engine.protocols import Snapshot, capabilities
 
 CALLS = (
     "admit",
@@ -28,6 +28,8 @@ CALLS = (
     "resize_table",
     "snapshot",
 )
+# "offload" (a host tier): counted only for a manager that has them (run records as they were)
+OFFLOAD_CALLS = ("offload_store", "offload_restore", "offload_done")
 PROPERTIES = ("num_blocks", "num_free_blocks", "num_free_rows")
 # Calls whose arguments carry a token list (at this index): the call log keeps its length only
 TOKEN_ARG = {"admit": 1, "append": 1}
@@ -125,6 +127,13 @@ def _check_block_ids(ids, pool: int, *_) -> None:
         raise BadAnswer(f"answered {list(ids)!r}: a block id outside the pool [0, {pool})")
 
 
+def _check_pairs(pairs, pool: int, *_) -> None:
+    if not isinstance(pairs, list) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and _int(p[0]) and _int(p[1]) for p in pairs
+    ):
+        raise BadAnswer(f"answered {pairs!r}: a list of (device block, host slot) pairs")
+
+
 def _check_release(freed, pool: int, *_) -> None:
     if not isinstance(freed, bool):
         raise BadAnswer(f"answered {freed!r}: release answers True or False")
@@ -137,6 +146,8 @@ ANSWERS = {
     "append_decode": _check_copies,
     "block_ids": _check_block_ids,
     "release": _check_release,
+    "offload_store": _check_pairs,
+    "offload_restore": _check_pairs,
 }
 
 
@@ -226,11 +237,13 @@ class Boundary:
     def __init__(self, manager) -> None:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
-        object.__setattr__(self, "calls", dict.fromkeys(CALLS, 0))  # calls made, by name
+        tier = OFFLOAD_CALLS if "offload" in capabilities(manager) else ()
+        counted = CALLS + tier
+        object.__setattr__(self, "calls", dict.fromkeys(counted, 0))  # calls made, by name
         object.__setattr__(self, "refusals", 0)
         # seconds spent snapshotting for refusals (the harness's cost inside a step's timings)
         object.__setattr__(self, "snapshot_s", [0.0])
-        for name in CALLS:
+        for name in counted:
             if hasattr(manager, name):
                 object.__setattr__(self, name, self._guard(name, getattr(manager, name)))
         if hasattr(manager, "snapshot"):  # kept by the harness: copied at the call

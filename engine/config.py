@@ -129,6 +129,32 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """`[engine.offload]`: a host KV tier beside the device pool (engine/offload.py). Absent: one
+    tier, the engine (and its config hash) as it always was."""
+
+    host_blocks: int = 256  # the host pool's blocks, per rank (same layout as the device pool)
+    # a request idle (paused, holding blocks) this many steps is stored out; 0: never
+    cold_steps: int = 2
+    latency_steps: int = 1  # steps an asynchronous copy takes to complete (deferred, seeded)
+    preempt: bool = True  # a preempted request is stored out instead of recomputed
+
+    def __post_init__(self) -> None:
+        for name, low in (("host_blocks", 1), ("cold_steps", 0), ("latency_steps", 1)):
+            v = getattr(self, name)
+            _require(
+                isinstance(v, int) and not isinstance(v, bool) and v >= low,
+                f"engine.offload.{name}",
+                f"must be an int >= {low}, got {v!r}",
+            )
+        _require(
+            isinstance(self.preempt, bool),
+            "engine.offload.preempt",
+            f"must be true or false, got {self.preempt!r}",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -142,6 +168,7 @@ class EngineConfig:
     # step N+1 scheduled before step N's KV writes land (engine/inflight.py); off: a synchronous
     # step, and the config (its hash, the history) as it always was
     async_scheduling: bool = False
+    offload: OffloadConfig | None = None  # a host KV tier; None: one tier (engine/offload.py)
 
     def __post_init__(self) -> None:
         _require(
@@ -170,6 +197,11 @@ class EngineConfig:
             "engine.async_scheduling",
             "runs with tp_mode = 'simulated' only",
         )
+        _require(
+            not (self.offload is not None and self.tp_mode == "distributed"),
+            "engine.offload",
+            "runs with tp_mode = 'simulated' only",
+        )
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":
@@ -180,6 +212,8 @@ class EngineConfig:
         d = asdict(self)
         if not self.async_scheduling:  # off: the dict (and hash) every stored run has
             del d["async_scheduling"]
+        if self.offload is None:
+            del d["offload"]
         return d
 
     def config_hash(self) -> str:

@@ -21,6 +21,7 @@ from kvchaos.engine.errors import InvalidRequest, OutOfBlocks, RequestFailed, Re
 from kvchaos.engine.geometry import KernelGeometry
 from kvchaos.engine.inflight import AsyncSteps, InFlight
 from kvchaos.engine.model import Model
+from kvchaos.engine.offload import HostTier, TierSteps
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.protocols import NOT_V2, KVManager, capabilities, protocol_version
 from kvchaos.engine.ranks import RankGroup
@@ -48,7 +49,7 @@ def decode_backend(name: str):
     return paged_decode_torch
 
 
-class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
+class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
     def __init__(self, config: EngineConfig, block_manager: KVManager | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
@@ -59,8 +60,9 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
         elif cc.prefix_caching:
             manager = PrefixCachingManager(cc.num_blocks, cc.block_size)
         else:
+            host = {"host_blocks": config.offload.host_blocks} if config.offload else {}
             manager = BlockManager(
-                cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq
+                cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq, **host
             )
         if protocol_version(manager) < 2:
             raise TypeError(f"{type(manager).__name__} {NOT_V2}")
@@ -126,6 +128,15 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
         self.inflight = InFlight(counters=self.counters) if config.async_scheduling else None
         if self.inflight is not None:
             self.counters.update(async_fences=0, async_freed=0, async_landed=0, async_mixed=0)
+        # a host tier ([engine.offload]), where the manager offers it (else not applicable)
+        self.tier: HostTier | None = None
+        if config.offload is not None and "offload" in self.capabilities:
+            self.tier = HostTier.build(
+                self.kv_pools, self.bm.host_blocks, config.offload.latency_steps
+            )
+            self.counters.update(
+                offload_stores=0, offload_restores=0, offload_fences=0, offload_refused=0
+            )
         if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(
                 admissions=0,
@@ -249,7 +260,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
         if seq.done:
             return False
         self.scheduler.remove(seq)
-        if seq.holds:  # running, or waiting for its KV to land: a waiting request may hold too
+        if seq.holds:  # running, idle, stored out, or waiting for its KV to land
             self._release(seq, "cancel")
         seq.state = State.CANCELLED
         return True
@@ -299,6 +310,8 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
     def _release(self, seq: Sequence, why: str) -> None:
         """Every exit path of a sequence that holds blocks comes through here. why: the seam's
         name (finish, cancel, preempt, error); the manager is told the v2 reason."""
+        if self.tier is not None:
+            self._tier_release(seq, why)  # a copy in flight completes before its blocks go back
         if self.seams.free_on_exit(seq, why):
             if self.inflight is not None and self.inflight.wrote(seq.id):
                 self._release_in_flight(seq, why)  # the step in flight still writes its blocks
@@ -325,9 +338,14 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
 
     def preempted(self, seq: Sequence, why: str) -> None:
         """The scheduler preempted seq (why: "preempt", or "error" for a failed step): its blocks
-        go back, and it is counted."""
-        self._release(seq, why)
+        go back (with a host tier: stored out, restored when it runs again), and it is counted."""
         self.counters["preemptions"] += 1
+        oc = self.config.offload
+        if self.tier is not None and why == "preempt" and oc.preempt and seq.num_computed:
+            self._tier_settle(seq)
+            if self._tier_store(seq, "preempt"):
+                return
+        self._release(seq, why)
 
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -335,6 +353,8 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_count += 1
         self.scrambled_ranks = []
+        if self.tier is not None:
+            self._tier_tick()
         scheduler = self.scheduler
         decode, prefill, preempted = scheduler.schedule()
         if not decode and not prefill:
@@ -359,6 +379,8 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
             hidden = self.model.forward(tokens, positions, self._attend(len(decode), metas))
             if self.inflight is not None:
                 self._went_in_flight(decode, prefill, metas)
+            if self.tier is not None and (self.tier.copies or self.tier.kept):
+                self._tier_reads(decode, prefill)
             # Sequences whose every token is now computed produce a token.
             emit: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
             off = len(decode)
@@ -439,14 +461,22 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry):
     # -- lifecycle -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         # a step in flight with writes kept to land still has to complete
-        return self.scheduler.has_unfinished() or bool(self.inflight and self.inflight.early)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self.inflight and self.inflight.early)
+            or bool(self.tier and (self.tier.copies or self.tier.orphans))
+        )
 
     def close(self) -> None:
         """Release every block still held (idempotent)."""
         self._complete()
-        held = [s for s in self.scheduler.waiting if s.holds]  # waiting for their KV to land
-        for s in list(self.scheduler.running) + held:
-            self.scheduler.remove(s)
+        sched = self.scheduler
+        # idle, stored out, or waiting for their KV to land: a waiting request may hold too
+        held = [s for s in (*sched.idle, *sched.waiting) if s.holds]
+        for s in list(sched.running) + held:
+            if self.tier is not None:
+                self._tier_settle(s)
+            sched.remove(s)
             self.bm.release(s.id, "aborted")
             s.holds = False
             self.table.drop(s.id)

@@ -48,6 +48,9 @@ class Snapshot:
     seq_tokens: dict[str, int] | None = None
     reserved: list[int] | None = None  # the manager's reserved_blocks (v2)
     cache: list[CacheEntry] | None = None  # "cache_state": every keyed block (v2)
+    # "offload": each sequence's host slots (stored out, or a copy in flight) and the free ones
+    host_blocks: dict[str, list[int]] | None = None
+    host_free: list[int] | None = None
 
     def to_dict(self) -> dict:
         # shallow: snapshot() already hands out fresh lists; optional fields only when given
@@ -63,6 +66,7 @@ CAPABILITIES = (
     "append_decode",
     "end_step",
     "own_table",
+    "offload",
 )
 
 
@@ -179,10 +183,26 @@ class OwnTable(Protocol):  # "own_table": the manager writes the table the kerne
     def resize_table(self, rows: int | None = None, width: int | None = None) -> None: ...
 
 
+@runtime_checkable
+class Offload(Protocol):  # "offload": a host tier the engine stores blocks out to and back
+    # (docs/protocol-v2.md section 10). store: (device block, host slot) pairs for the blocks of
+    # the first num_tokens tokens, the device blocks held until offload_done; restore: (host
+    # slot, new device block) pairs, the host slots held until offload_done. Atomic: OutOfBlocks
+    # (no room) changes nothing. release frees both tiers.
+    @property
+    def host_blocks(self) -> int: ...
+    @property
+    def num_free_host_blocks(self) -> int: ...
+    def offload_store(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]: ...
+    def offload_restore(self, seq_id: str) -> list[tuple[int, int]]: ...
+    def offload_done(self, seq_id: str) -> None: ...
+
+
 INFERABLE = {
     "fork": Fork,
     "estimates": Estimates,
     "append_decode": AppendDecode,
     "end_step": EndStep,
     "own_table": OwnTable,
+    "offload": Offload,
 }

@@ -30,6 +30,7 @@ class Scheduler:
         self.engine = engine
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.idle: list[Sequence] = []  # paused, holding blocks (on either tier)
         # admitted, waiting for their KV to land (seams.kv_load_steps): id -> (tokens their
         # admission reserved, the step they run). They hold blocks in the waiting queue.
         self.loading: dict[str, tuple[int, int]] = {}
@@ -48,6 +49,8 @@ class Scheduler:
         """Out of its queue (finished or cancelled)."""
         if seq.state is State.RUNNING:
             self.running.remove(seq)
+        elif seq.state is State.IDLE:
+            self.idle.remove(seq)
         else:
             self.waiting.remove(seq)
             self.loading.pop(seq.id, None)
@@ -58,7 +61,22 @@ class Scheduler:
         self.running.remove(seq)
         self.audit.release(seq)
         self.engine.preempted(seq, why)
-        seq.state, seq.num_computed = State.PREEMPTED, 0
+        seq.state = State.PREEMPTED
+        if seq.tier == "device":  # stored out (a host tier) it is restored, not recomputed
+            seq.num_computed = 0
+        self.waiting.appendleft(seq)
+
+    def pause(self, seq: Sequence, step: int) -> None:
+        """A running sequence sits idle, holding its blocks, until resumed."""
+        self.running.remove(seq)
+        seq.state, seq.idle_since = State.IDLE, step
+        self.idle.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """An idle sequence waits again, first in line as a preempted one (it holds blocks, on
+        either tier: served before anyone new)."""
+        self.idle.remove(seq)
+        seq.state = State.WAITING
         self.waiting.appendleft(seq)
 
     def live(self) -> list[str]:
@@ -70,7 +88,7 @@ class Scheduler:
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.idle)
 
     # -- a step --------------------------------------------------------------------------------
     def schedule(self) -> tuple[list, list, list[str]]:
@@ -81,6 +99,24 @@ class Scheduler:
             # Every running sequence is stuck mid-prefill on a full pool: free the newest.
             victim = self.running[-1]
             self.preempt(victim)
+            decode, prefill, more = self._plan()
+            preempted = preempted + [victim.id] + more
+        while not decode and not prefill and not self.running and self.waiting:
+            # Nothing runs and the head lacks room: sequences that hold blocks without running
+            # (idle, or resumed and waiting) give the newest back (stored out with a host tier)
+            held = [
+                s
+                for s in (*self.waiting, *self.idle)
+                if s.holds and s.tier == "device" and s.id not in self.loading
+            ]
+            if not held:
+                break
+            victim = held[-1]
+            self.engine.preempted(victim, "preempt")
+            if victim.tier == "device":
+                victim.num_computed = 0
+            if victim.state is not State.IDLE:
+                victim.state = State.PREEMPTED
             decode, prefill, more = self._plan()
             preempted = preempted + [victim.id] + more
         return decode, prefill, preempted
@@ -118,9 +154,11 @@ class Scheduler:
         if self.loading:
             budget = self._landed(prefill, budget)
         rows = engine.table.num_free_rows
-        while budget > 0 and rows > 0:
+        while budget > 0:
             s = self._head()
-            if s is None:
+            if s is None or s.tier != "device":  # none, or stored out / its restore in flight
+                break
+            if rows <= 0 and not s.holds:  # one resumed (idle, restored) has its row
                 break
             n = min(s.uncomputed, budget)
             need = estimate(s, n)
@@ -132,7 +170,7 @@ class Scheduler:
             prefill.append((s, n))
             budget -= n
             free -= need
-            rows -= 1
+            rows -= not s.holds
         return decode, prefill, preempted
 
     def _head(self) -> Sequence | None:

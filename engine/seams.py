@@ -22,6 +22,14 @@ def _never(seq, reason: str) -> bool:
     return False
 
 
+def _never_pair(seq, blocks: list) -> bool:
+    return False
+
+
+def _never_one(seq) -> bool:
+    return False
+
+
 def _never_rows(seqs: list) -> bool:
     return False
 
@@ -97,6 +105,18 @@ class Seams:
     # it, told (at each upload) the sequences whose rows would mix two steps; False:
     # double-buffered staging.
     reuse_staging: Callable[[list], bool] = _never_rows
+    # Host tier ([engine.offload]): a store reads blocks the step in flight still writes (seq,
+    # why: preempt | cold); False: it waits for that step first (engine/offload.py).
+    store_early: Callable[[object, str], bool] = _never
+    # ... and a restored sequence computes on its new blocks before their copy completed (seq);
+    # False: it is scheduled once the restore completed.
+    restore_flip: Callable[[object], bool] = _never_one
+    # ... and a sequence released (seq, reason) while its restore is in flight: freed at once, the
+    # load still writing its blocks; False: the restore completes first.
+    free_loading: Callable[[object, str], bool] = _never
+    # ... and a restored sequence's blocks written again (seq, their logical indices): their host
+    # copies stay valid, so its next store skips them; False: they are dropped (copied again).
+    stale_host: Callable[[object, list], bool] = _never_pair
     # Engine-internal events (preemption, copy-on-write, staging re-allocation) for the history.
     on_event: Callable[[str, dict], None] = field(default=_ignore)
     # Called once a step's table is uploaded, before any rank computes: the table the kernels read.

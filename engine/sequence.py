@@ -10,6 +10,8 @@ class State(enum.Enum):
     WAITING = "waiting"  # never scheduled yet, or waiting for room
     RUNNING = "running"  # holds blocks: prefilling (more than one token to compute) or decoding
     PREEMPTED = "preempted"  # blocks taken back; recomputes from scratch when readmitted
+    # (with a host tier: stored out, restored when readmitted)
+    IDLE = "idle"  # paused holding its blocks (a session's think time), resumed by the workload
     FINISHED = "finished"
     CANCELLED = "cancelled"
     FAILED = "failed"  # ended by the engine: its own work failed in a step (RequestFailed)
@@ -26,6 +28,8 @@ class Sequence:
     holds: bool = False  # admitted (or forked) and not yet released: the manager holds its blocks
     hit_tokens: int = 0  # tokens its last admission found computed (prefix cache hits)
     parent: str | None = None  # forked from (shares its blocks until written)
+    tier: str = "device"  # with a host tier: device | storing | host | restoring
+    idle_since: int = 0  # the step it paused at
 
     @property
     def num_generated(self) -> int:
@@ -37,9 +41,12 @@ class Sequence:
 
     @property
     def phase(self) -> str:
-        """Its stage: waiting, prefill, decode, preempted, finished, cancelled, failed."""
+        """Its stage: waiting, prefill, decode, preempted, idle, restoring, finished, cancelled,
+        failed."""
         if self.state is State.RUNNING:
             return "decode" if self.uncomputed == 1 else "prefill"
+        if self.tier == "restoring":  # a host tier's load into its blocks in flight
+            return "restoring"
         return self.state.value
 
     @property

@@ -3,6 +3,7 @@ plantable defect."""
 
 from kvchaos.faults.async_free import AsyncFree
 from kvchaos.faults.base import Fault, ParamError  # noqa: F401  ParamError: for kvchaos.harness.scenario.spec
+from kvchaos.faults.offload import Offload
 from kvchaos.faults.ordering_race import OrderingRace
 from kvchaos.faults.prefix_cache import PrefixCache
 from kvchaos.faults.refcount_leak import RefcountLeak
@@ -18,6 +19,7 @@ REGISTRY: dict[str, type[Fault]] = {
         OrderingRace,
         PrefixCache,
         AsyncFree,
+        Offload,
     )
 }
 

@@ -11,6 +11,9 @@ request (engine/inflight.py). Variants, by the exit that frees too early:
             the write in flight is the step's
   preempt   a request preempted while the step in flight still writes its blocks has them handed
             to the request the preemption made room for (vllm-ascend#14055, vllm#45357)
+  load_abort  (a host tier, `[engine.offload]`) an abort while an asynchronous restore from the
+            host tier is in flight frees the blocks the load still writes (vLLM's scheduler
+            `finish_requests` while WAITING_FOR_REMOTE_KVS, fixed by vllm#32255)
   staging   the one pinned staging buffer is restaged for step N+1 while step N's non-blocking
             table copy still reads it, so a device table mixes two steps (the class of
             LMCache#4830 and cudf#22284: a pinned source reused under an async copy); the fix
@@ -30,8 +33,9 @@ from kvchaos.faults import base
 from kvchaos.faults.base import COUNT, Fault, OneOf, ParamError
 from kvchaos.faults.plan import Action
 
-VARIANTS = ("finish", "abort", "preempt", "staging")
-REASON = {"finish": "finish", "abort": "cancel", "preempt": "preempt"}  # the exit's seam name
+VARIANTS = ("finish", "abort", "preempt", "staging", "load_abort")
+# the exit's seam name
+REASON = {"finish": "finish", "abort": "cancel", "preempt": "preempt", "load_abort": "cancel"}
 TEXT = {  # variant: (root cause, remediation), as an incident quotes them
     "finish": (
         "A request finished on step N's output was freed at once, while step N+1, scheduled "
@@ -55,6 +59,14 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "landed over its KV (vllm-ascend#14055, vllm#45357).",
         "A preemption frees only after the step that last wrote the victim's blocks has "
         "completed: wait for it before handing the blocks out.",
+    ),
+    "load_abort": (
+        "A request aborted while its KV was being loaded back from the host tier had its blocks "
+        "freed at once: the load landed after the manager had handed them to another request "
+        "(vLLM's scheduler finish_requests on a request WAITING_FOR_REMOTE_KVS; vllm#32255 "
+        "delays the free).",
+        "On abort, free a request's blocks only after its in-flight load completed (or wait for "
+        "it).",
     ),
     "staging": (
         "The block table was staged for step N+1 into the one pinned buffer step N's "
@@ -113,7 +125,17 @@ class AsyncFree(Fault):
         return f"{cls.name}/{(params or {}).get('variant', cls.defaults['variant'])}"
 
     @classmethod
+    def detectors_for(cls, params: dict | None = None) -> tuple:
+        if (params or {}).get("variant") == "load_abort":  # the load is the tier's, not a step's
+            return ("offload", "oracle_divergence")
+        return cls.detectors
+
+    @classmethod
     def check_engine(cls, p: dict, cfg) -> None:
+        if p["variant"] == "load_abort":
+            if cfg.offload is None:
+                raise ParamError(cls.name, "variant", "plants in the host tier: [engine.offload]")
+            return
         if not cfg.async_scheduling:
             raise ParamError(
                 cls.name,
@@ -126,11 +148,12 @@ class AsyncFree(Fault):
             )
 
     def shape(self, plan, cfg) -> None:
-        if self.p["variant"] != "abort":
+        if self.p["variant"] not in ("abort", "load_abort"):
             return
+        when = "decode" if self.p["variant"] == "abort" else "restoring"  # a load in flight
         subs = [a for a in plan.actions if a.op == "submit"]
         for a in subs[1 :: max(1, len(subs) // max(1, self.p["cancels"]))][: self.p["cancels"]]:
-            plan.add(Action(a.step, "cancel", a.req, when="decode", origin=self.name))
+            plan.add(Action(a.step, "cancel", a.req, when=when, origin=self.name))
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)
@@ -144,6 +167,10 @@ class AsyncFree(Fault):
             engine.seams.reuse_staging = self._reuse
             return
         why = REASON[self.p["variant"]]
+        if self.p["variant"] == "load_abort":
+            engine.seams.free_loading = self._free_loading
+            self.late_seen = 0
+            return
 
         def free_in_flight(seq, reason: str) -> bool:
             """The hazard window: seq leaves while the step in flight wrote its blocks."""
@@ -175,9 +202,22 @@ class AsyncFree(Fault):
         self.remediated += 1  # double-buffered: the copy in flight reads its own buffer
         return False
 
+    def _free_loading(self, seq, reason: str) -> bool:
+        """The hazard window: seq aborted while its restore from the host tier is in flight."""
+        step = self.engine.step_count
+        self.trigger(step, {"req": seq.id, "why": reason})
+        if not self.defect:
+            self.remediated += 1  # the load completes, then the blocks go back
+            return False
+        self.freed.append(seq.id)
+        self.touch(requests=[seq.id])
+        return True
+
     def after_step(self, engine, step: int, output) -> None:
         if self.p["variant"] == "staging":
             return self._after_mixed(engine, step)
+        if self.p["variant"] == "load_abort":
+            return self._after_late(engine, step)
         log = engine.inflight.log
         for x in log[self.seen :]:
             held = {b: h for b, h in x["holders"].items() if h}
@@ -193,6 +233,20 @@ class AsyncFree(Fault):
                 if q not in self.victims:
                     self.victims[q] = step
                     self.touch(requests=[q])
+
+    def _after_late(self, engine, step: int) -> None:
+        """Loads of aborted requests that landed (the engine's offload_late), and their holders."""
+        for x in engine.tier.late[self.late_seen :]:
+            held = {b: h for b, h in x["holders"].items() if h}
+            d = {"step": step, "req": x["req"], "written": x["issued"], "blocks": x["blocks"]}
+            self.landed.append({**d, "holders": held})
+            self.touch(requests=[x["req"], *(q for h in held.values() for q in h)])
+            self.touch(blocks=x["blocks"])
+            self.fired(step, {**d, "holders": held})
+            for h in held.values():
+                for q in h:
+                    self.victims.setdefault(q, step)
+        self.late_seen = len(engine.tier.late)
 
     def _after_mixed(self, engine, step: int) -> None:
         for x in engine.inflight.mixed[len(self.mixed) :]:
@@ -246,6 +300,8 @@ class AsyncFree(Fault):
         writers = {x["req"] for x in landed}
         blocks = {b for x in landed for b in x["blocks"]}
         victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s}
+        if checker == "offload" and kind == "landed_after_free":
+            return "cause" if ev.get("req") in writers else None
         if checker == "table_integrity" and kind == "foreign_write":
             named = set(ev.get("blocks") or ())
             return "cause" if ev.get("req") in writers and named and named <= blocks else None

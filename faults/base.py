@@ -27,6 +27,7 @@ CheckerName = Literal[
     "admission",
     "kv_reads",
     "prefix_cache",
+    "offload",
 ]
 CHECKER_NAMES: tuple[str, ...] = get_args(CheckerName)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Action:
     step: int  # earliest step; with `when`, it waits until the request is in that phase
-    op: str  # submit | fork | cancel | turn
+    op: str  # submit | fork | cancel | turn | pause (max_new: the steps it stays idle)
     req: str
     prompt: list[int] = field(default_factory=list)  # a turn: only its new user tokens
     max_new: int = 0
@@ -24,6 +24,8 @@ class Action:
         d = {"step": self.step, "op": self.op, "req": self.req, "origin": self.origin}
         if self.op in ("submit", "fork", "turn"):
             d.update(prompt_len=len(self.prompt), max_new=self.max_new)
+        elif self.op == "pause":
+            d["idle"] = self.max_new
         if self.parent:
             d["parent"] = self.parent
         if self.when:

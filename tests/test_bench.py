@@ -33,6 +33,7 @@ METRICS = {
     "engine_bookkeeping_share_b8_ctx512",
     "paged_vs_contiguous_b8_ctx512",
     "async_scheduling_b8_ctx128",
+    "offload_tier_b8_ctx128",
     "harness_checking_suite",
     "call_log",
     "harness_overhead_suite",

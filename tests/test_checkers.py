@@ -579,6 +579,7 @@ def test_run_checkers_runs_every_checker_and_passes_options():
         "admission": "not judged",
         "kv_reads": "not judged",
         "prefix_cache": "not judged",
+        "offload": "not judged",
     }
 
 

@@ -35,6 +35,7 @@ OPTIONAL = {  # need a capability
     "table_rows",
     "resize",
     "append_decode",
+    "offload",
 }
 SHRINK = 100  # histories run while shrinking: enough for the steps these tests look for
 
@@ -53,8 +54,8 @@ def test_the_reference_passes_every_property(capsys):
     rc, out, err = conformance(capsys, "kvchaos.engine.block_manager:BlockManager")
     assert rc == 0, out + err
     rows = {ln.split()[0]: ln.split()[1] for ln in out.split("\n\n")[0].splitlines()[2:]}
-    lacking = {"hit_over_cap", "cache_consistent"}  # no prefix cache
-    assert len(rows) == 14 and {p for p, r in rows.items() if r == "not"} == lacking, out
+    lacking = {"hit_over_cap", "cache_consistent", "offload"}  # no prefix cache, no host tier
+    assert len(rows) == 15 and {p for p, r in rows.items() if r == "not"} == lacking, out
     assert set(rows.values()) == {"passed", "not"}, out
     assert "12 of 12 applicable properties passed" in out
 
@@ -136,7 +137,7 @@ def test_honest_managers_pass(manager):
 def test_a_manager_without_fork_passes_with_fork_not_applicable(capsys):
     rc, out, _ = conformance(capsys, "managers:WithoutFork", "--examples", "50")
     assert rc == 0, out
-    table = {ln.split()[0]: ln for ln in out.splitlines()[2:16]}
+    table = {ln.split()[0]: ln for ln in out.splitlines()[2:17]}
     for name in OPTIONAL:
         assert "not applicable" in table[name] and "the manager declares no" in table[name]
     for name in set(table) - OPTIONAL:
@@ -198,8 +199,9 @@ def test_pytest_collects_one_item_a_property(pytester):
     )
     # every history stops at the lie: the paths past it are "not exercised" (skipped), not passed
     # (decode batches among them: a sequence decodes after a snapshot); table_rows and resize are
-    # judged before any snapshot; the plain reference (v2) has no prefix cache: two more skipped
-    res.assert_outcomes(passed=5 + 2, failed=1, skipped=3 + 1 + 2)
+    # judged before any snapshot; the plain reference (v2) has no prefix cache: two more skipped,
+    # and no host tier: one more
+    res.assert_outcomes(passed=5 + 2, failed=1, skipped=3 + 1 + 2 + 1)
     res.stdout.fnmatch_lines(
         ["*snapshot FAILED: num_free_blocks says*", "*reproducer (shrunk, the calls into it):*"]
     )

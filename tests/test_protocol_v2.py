@@ -140,7 +140,8 @@ def test_to_dict_omits_fields_not_given():
     entry = {"block": 3, "key": "ab01", "parent": None, "tokens": [1, 2, 3, 4]}
     full = Snapshot(8, [], [0] * 8, {}, {}, [-1] * 4, 4, {}, [0], [entry])
     assert full.to_dict()["cache"] == [entry] and full.to_dict()["reserved"] == [0]
-    assert set(full.to_dict()) == set(Snapshot.__dataclass_fields__)
+    host = {"host_blocks", "host_free"}  # a host tier's ("offload"), not given here
+    assert set(full.to_dict()) == set(Snapshot.__dataclass_fields__) - host
 
 
 def test_an_own_table_snapshot_keeps_its_table_fields():
@@ -168,7 +169,9 @@ def test_the_plain_reference_declares_what_it_offers():
     offered = {"fork", "seq_tokens", "estimates", "append_decode", "own_table"}
     assert capabilities(ref) == offered
     inferred = {name for name, shape in INFERABLE.items() if isinstance(ref, shape)}
-    assert inferred == offered - {"seq_tokens"}  # the declaration matches its members
+    # the declaration matches its members; offload's are there, offered with a host tier only
+    assert inferred == offered - {"seq_tokens"} | {"offload"}
+    assert capabilities(BlockManager(8, 4, 2, 4, host_blocks=8)) == offered | {"offload"}
 
 
 def test_release_reasons():

@@ -134,7 +134,7 @@ def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():
         assert sc.expect.outcome == ("detect" if want else "clean")
         assert sorted(sc.expect.checkers) == want
         planted += bool(want)
-    assert seen_faults == set(REGISTRY)
+    assert seen_faults == set(REGISTRY) - {"offload"}  # the host tier's: not in the mix yet
     assert 60 < planted < 240  # a real mix of detect and clean runs
     assert generate_scenario(1) != generate_scenario(2)
 

@@ -317,6 +317,22 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             higher_is_better=False,
         )
 
+    with console.status("bench: host tier") if console.is_terminal else nullcontext():
+        from kvchaos.harness.bench.offload_step import bench_offload_step
+
+        ot = bench_offload_step(device, p["b8_steps"], p["b8_warmup"])
+        m["offload_tier_b8_ctx128"] = _metric(
+            "host KV tier on vs off, decode step B=8 ctx 128",
+            "ms/step",
+            ot["tier_step_s"] * 1e3,
+            ot["one_tier_step_s"] * 1e3,
+            "the same engine, one tier (plain manager)",
+            1.1,
+            "<=",
+            "ratio",
+            higher_is_better=False,
+        )
+
     with console.status("bench: harness overhead") if console.is_terminal else nullcontext():
         ov = bench_harness_overhead(p["overhead_repeats"], p["overhead_scenarios"], device)
         m["harness_checking_suite"] = _metric(

@@ -15,6 +15,7 @@ from kvchaos.harness.check.cache_checks import check_kv_reads, check_prefix_cach
 from kvchaos.harness.check.findings import CheckResult, Finding, judged_result, of_kind
 from kvchaos.harness.check.latency import check_latency
 from kvchaos.harness.check.manager_checks import check_admission, check_manager_calls
+from kvchaos.harness.check.offload_checks import check_offload
 
 
 def check_oracle_divergence(events: list[dict]) -> CheckResult:
@@ -386,6 +387,7 @@ CHECKERS: dict[str, Callable[..., CheckResult]] = {
     "admission": check_admission,
     "kv_reads": check_kv_reads,
     "prefix_cache": check_prefix_cache,
+    "offload": check_offload,
 }
 
 

@@ -87,7 +87,12 @@ def exercised(events: list[dict]) -> dict:
         for k, v in paths.items()
         if v == 0 and not k.startswith("refus") and k not in lacking and k not in TABLE_EDGES
     ]
+    offload = start.get("config", {}).get("offload")
+    if offload is not None and "offload" not in caps:  # a tier asked of a manager without one
+        lacking = [*lacking, "offload"]
     paths["not_applicable"] = lacking
+    if "offload_stores" in counters:  # the host tier's paths (engine/offload.py)
+        paths["offload"] = offload_paths(events, counters)
     # the paths the refcount_leak variants break, and (with a prefix cache) the shapes prefix
     # cache bugs need: counts, never "not exercised" (most runs need none of them)
     paths["leak_paths"] = leak_paths(events)
@@ -96,6 +101,22 @@ def exercised(events: list[dict]) -> dict:
         if cc.get("block_size") and cc.get("num_blocks"):
             paths["prefix_shapes"] = prefix_shapes(events, cc["block_size"], cc["num_blocks"])
     return paths
+
+
+def offload_paths(events: list[dict], counters: dict) -> dict[str, int]:
+    """Stores by cause (cold, preempt), restores, stores that waited for the step in flight,
+    and the peak host slots in use (the tier's own counts and events)."""
+    out = {"stores_cold": 0, "stores_preempt": 0, "host_peak": 0}
+    for e in events:
+        if e.get("e") != "engine":
+            continue
+        if e["kind"] == "offload_store":
+            out[f"stores_{e['data']['why']}"] += 1
+        elif e["kind"] == "offload_tier":
+            out["host_peak"] = max(out["host_peak"], e["data"]["host_used"])
+    out["restores"] = counters.get("offload_restores", 0)
+    out["fences"] = counters.get("offload_fences", 0)
+    return out
 
 
 def leak_paths(events: list[dict]) -> dict[str, int]:

@@ -48,6 +48,13 @@ REACH: dict[str, dict[str, tuple[str, ...]]] = {
         "abort": ("cancels_decode|cancels_prefill",),
         "preempt": ("preemption_releases",),
         "staging": ("block_boundary_crossings",),  # rows past the first change between uploads
+        "load_abort": ("offload.restores", "leak_paths.cancels"),  # a cancel during a restore
+    },
+    "offload": {  # the host tier's stores and restores (exercised.offload)
+        "store_before_compute": ("offload.fences",),  # stores that waited for the step in flight
+        "restore_race": ("offload.restores",),
+        "stale_host": ("offload.stores_cold", "offload.restores"),
+        "host_slot_freed": ("offload.restores",),
     },
 }
 

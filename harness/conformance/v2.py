@@ -34,6 +34,7 @@ from kvchaos.engine.tables import BuiltTable, OwnedTable
 from kvchaos.harness.check.checkers import check_block_accounting, check_table_integrity
 from kvchaos.harness.check.snapshots import problem_seen
 from kvchaos.harness.conformance.common import Judging, guarded
+from kvchaos.harness.conformance.offload import OFFLOAD_PROPERTIES, OffloadRules
 from kvchaos.harness.conformance.table import TABLE_PROPERTIES, TableRules
 
 # name -> (the capability it needs, or None for the core protocol; what it says)
@@ -50,6 +51,7 @@ PROPERTIES_V2 = {
     "fork": ("fork", "fork: the child maps the parent's blocks and reads its KV"),
     "copy_on_write": ("fork", "copy-on-write keeps every holder's data"),
     **TABLE_PROPERTIES,
+    **OFFLOAD_PROPERTIES,
 }
 VOCAB = 11
 BLOCK_SIZES = (1, 2, 4)  # drawn from, for a manager that declares no block_sizes
@@ -68,7 +70,7 @@ def sized_setup(sizes: tuple[int, ...]):
     return setup
 
 
-class ConformanceMachineV2(TableRules, Judging, RuleBasedStateMachine):
+class ConformanceMachineV2(TableRules, OffloadRules, Judging, RuleBasedStateMachine):
     """Set `factory` (a subclass does): the v2 block manager class or factory under test."""
 
     factory = None

@@ -12,8 +12,17 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict, Union, get_args, get_type_hints
 
 from kvchaos.engine.inflight import AsyncFence, AsyncFreed, AsyncLanded, AsyncMixed, AsyncStep
+from kvchaos.engine.offload import (
+    OffloadLanded,
+    OffloadLate,
+    OffloadRestore,
+    OffloadStore,
+    OffloadTier,
+    Pause,
+    Resume,
+)
 
-Phase = Literal["waiting", "prefill", "decode", "preempted"]
+Phase = Literal["waiting", "prefill", "decode", "preempted", "idle", "restoring"]
 EndReason = Literal["done", "max_steps", "interrupted", "error"]
 FaultKind = Literal["armed", "trigger", "fired"]
 Origin = Literal["plan", "fault", "harness"]  # who asked for a submit, cancel or reject
@@ -135,6 +144,9 @@ class Snapshot(_Snapshot, total=False):
     cache_added: list[dict[str, Any]]
     cache_removed: list[list[Any]]  # [block, key]
     cache_n: int
+    # a manager with a host tier ("offload"): each sequence's host slots, the free ones
+    host_blocks: dict[str, list[int]]
+    host_free: list[int]
 
 
 class SnapshotInvalid(TypedDict):
@@ -149,7 +161,8 @@ class Engine(TypedDict):
     # cow (late_ranks: ranks whose copies are in flight) | cow_landed (rank, copies) |
     # staging_realloc | hit | refusal | table_resync | estimate_off | unneeded_preemption;
     # with [engine] async_scheduling: async_step | async_fence | async_freed | async_landed |
-    # async_mixed
+    # async_mixed; with [engine.offload]: offload_store | offload_restore | offload_landed |
+    # offload_tier; with [workload.think]: pause | resume
     kind: str
     data: dict[str, Any]  # a hit: req, known, answered, used, capped, blocks; ENGINE_DATA's
 
@@ -162,6 +175,15 @@ ENGINE_DATA: dict[str, type] = {
     "async_freed": AsyncFreed,
     "async_landed": AsyncLanded,
     "async_mixed": AsyncMixed,
+    # with [engine.offload]: a store or restore issued, a copy completed, the tier each step
+    "offload_store": OffloadStore,
+    "offload_restore": OffloadRestore,
+    "offload_landed": OffloadLanded,
+    "offload_tier": OffloadTier,
+    "offload_late": OffloadLate,
+    # with [workload.think]: a request paused (idle, holding its blocks) and resumed
+    "pause": Pause,
+    "resume": Resume,
 }
 
 
@@ -229,6 +251,17 @@ class ForeignWrite(TypedDict):
     blocks: list[int]
     owned: list[int]
     ranks: list[int]
+
+
+class TierRead(TypedDict):
+    """A host tier: a sequence computed (its blocks read) while its restore was in flight (the
+    harness's look at the engine's writes and the tier's copies, after the step)."""
+
+    e: Literal["tier_read"]
+    step: int
+    req: str
+    blocks: list[int]  # the device blocks the restore had not finished writing
+    issued: int  # the step the restore was issued at
 
 
 class UnslottedWrite(TypedDict):
@@ -334,6 +367,7 @@ Event = Union[
     CacheMismatch,
     HitMismatch,
     ForeignWrite,
+    TierRead,
     UnslottedWrite,
     Oracle,
     Reference,

@@ -182,6 +182,9 @@ def draw(v: RunView, verify: dict, incidents=()):
                 label=f"pool less the {m['leaked']} leaked blocks",
             )
     ax_free.set_ylabel("free blocks")
+    tier = [e for e in v.by.get("engine", []) if e["kind"] == "offload_tier"]
+    if tier:  # a host tier: its occupancy and traffic beside the device pool's
+        _tier(ax_free, tier)
     colour_of = {n: FAULT_COLOURS[i % len(FAULT_COLOURS)] for i, n in enumerate(v.armed)}
     windows = _windows(v, verify)
     for name in v.armed:
@@ -203,8 +206,19 @@ def draw(v: RunView, verify: dict, incidents=()):
     _zoom((ax_lat, ax_free, ax_div), v, m, windows)
     for ax in (ax_lat, ax_free):  # above the panel, never over the curves
         ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1, 1), ncol=3, frameon=False)
-    fig.subplots_adjust(left=0.06, right=0.99, top=0.93, bottom=0.06, hspace=0.3)
+    right = 0.93 if tier else 0.99  # room for the host tier's axis
+    fig.subplots_adjust(left=0.06, right=right, top=0.93, bottom=0.06, hspace=0.3)
     return fig
+
+
+def _tier(ax, tier: list[dict]) -> None:
+    """The host tier on a second axis: slots in use, and blocks stored out and restored."""
+    tx = ax.twinx()
+    xs = [e["step"] for e in tier]
+    tx.step(xs, [e["data"]["host_used"] for e in tier], where="mid", lw=1, color="tab:purple")
+    tx.bar(xs, [e["data"]["stored"] for e in tier], width=0.8, color="tab:orange", alpha=0.5)
+    tx.bar(xs, [-e["data"]["restored"] for e in tier], width=0.8, color="tab:cyan", alpha=0.5)
+    tx.set_ylabel("host tier: slots in use (line),\nblocks stored (+) / restored (-)", fontsize=8)
 
 
 def _requests(ax, v: RunView, m: dict) -> None:

@@ -12,6 +12,7 @@ from kvchaos.engine.engine import Engine
 from kvchaos.engine.errors import InvalidRequest, RequestRejected
 from kvchaos.engine.sequence import State
 from kvchaos.faults import make_fault
+from kvchaos.faults.plan import Action
 from kvchaos.harness.check.snapshots import judge
 from kvchaos.harness.history.log import History
 from kvchaos.harness.run.cache_state import CacheWatch
@@ -264,14 +265,15 @@ class LiveRun:
             blocks = snap.seq_blocks.get(req, [])
             if any(snap.ref_counts[b] > 1 for b in blocks):
                 return "shared"
-        if seq.state is State.WAITING and seq.holds:
+        if seq.state is State.WAITING and seq.id in self.engine.scheduler.loading:
             return "loading"  # waiting, holding the blocks its KV lands in
         return seq.phase
 
     def _waits(self, a) -> bool | None:
         """True: a waits for its target's phase; None: drop it; False: do it now. A fork or
         cancel of an ended request is dropped; a turn, or a submit `after` one, goes ahead."""
-        target = a.req if a.op == "cancel" else a.after if a.op == "submit" else a.parent
+        own = ("cancel", "pause", "resume")
+        target = a.req if a.op in own else a.after if a.op == "submit" else a.parent
         if target is None:
             return False
         seq = self.engine.seqs.get(target)
@@ -336,6 +338,14 @@ class LiveRun:
                 self.planned[a.req] = self._continued(a)
                 e.add_request(a.req, e.seqs[a.parent].tokens + list(a.prompt), a.max_new)
                 self._submitted(a, step, len(e.seqs[a.req].tokens), parent=None, turn_of=a.parent)
+            elif a.op == "pause":  # a session's think time: idle, resumed after it
+                if e.pause(a.req):
+                    back = step + max(1, a.max_new)
+                    self.actions.setdefault(back, []).append(
+                        Action(back, "resume", a.req, origin=a.origin)
+                    )
+            elif a.op == "resume":
+                e.resume(a.req)
             elif a.op == "cancel":
                 seq = e.seqs.get(a.req)
                 if seq is None or seq.done:
@@ -405,6 +415,10 @@ class LiveRun:
                 self._check_reads(st.step)
             if self.observe and out.stats.decode_tokens + out.stats.prefill_tokens:
                 self._check_writes(st.step)
+            if self.observe and e.tier is not None:  # computed on a restore in flight
+                for req, blocks, issued in e.tier.reads:
+                    ev = {"step": st.step, "req": req, "blocks": blocks, "issued": issued}
+                    h.append({"e": "tier_read", **ev})
             if self.observe and e.inflight is not None and e.inflight.landed:
                 self._check_landed(st.step)
             for f in self.faults:

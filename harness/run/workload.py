@@ -121,6 +121,15 @@ def build_plan(
         )
     if w.shapes is not None and cache is not None:
         add_shapes(plan, w.shapes, seed, cache, chunk or 2 * block_size)
+    if w.think is not None:  # its own stream: a plan without think time draws what it did
+        think = random.Random(f"{seed}/think")
+        for a in submitted:
+            if think.random() < w.think.share:
+                at = a.step
+                for _ in range(w.think.pauses):  # each waits for its request to decode again
+                    idle = sample_length(w.think.think_steps, think)
+                    plan.add(Action(at, "pause", a.req, max_new=idle, when="decode"))
+                    at += idle + 3
     c = w.cancel
     for a in submitted:
         if rng.random() < c.rate:

@@ -27,7 +27,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvchaos.engine.config import CacheConfig, EngineConfig, ModelConfig, OffloadConfig
 from kvchaos.engine.errors import ConfigError, KVChaosError
 from kvchaos.faults.base import CHECKER_NAMES
 from kvchaos.harness.scenario import footprint, inputs
@@ -119,6 +119,15 @@ class ShapeSpec(_Strict):
     whole_blocks: int = Field(0, ge=0, le=64)  # a prompt of whole blocks, again once cached
 
 
+class ThinkSpec(_Strict):
+    """Sessions that sit idle holding their KV: a request pauses once it decodes (its turn handed
+    to the user, or to a tool) and resumes after its think time (a host tier's cold requests)."""
+
+    share: float = Field(1.0, ge=0.0, le=1.0)  # requests that pause
+    think_steps: LengthDist = LengthDist(dist="uniform", min=4, max=12)  # steps idle
+    pauses: int = Field(1, ge=1, le=16)  # each a few steps after the one before resumed
+
+
 class Workload(_Strict):
     num_requests: int = Field(16, ge=0)
     arrival_rate: float = Field(1.0, gt=0.0)  # mean requests per step (Poisson)
@@ -130,6 +139,7 @@ class Workload(_Strict):
     cancel: CancelSpec = CancelSpec()
     prefix: PrefixSpec | None = None  # absent: no shared prefixes
     shapes: ShapeSpec | None = None  # absent: none of the prefix-cache bug shapes
+    think: ThinkSpec | None = None  # absent: no request sits idle
 
     @field_validator("lengths_file")
     @classmethod
@@ -145,6 +155,7 @@ class FaultSpec(_Strict):
         "ordering_race",
         "prefix_cache",
         "async_free",
+        "offload",
     ]
     defect: bool = True  # plant the defect, or only pull the trigger
     params: dict = {}
@@ -237,6 +248,8 @@ class Scenario(_Strict):
         e = dict(self.engine)
         model = ModelConfig(**e.pop("model", {}))
         cache = CacheConfig(**e.pop("cache", {}))
+        if "offload" in e:
+            e["offload"] = OffloadConfig(**e["offload"])
         if device:
             e["device"] = device
         return EngineConfig(model=model, cache=cache, seed=seed, **e)
@@ -273,16 +286,17 @@ def _check_engine_section(engine: dict) -> None:
         ("engine", EngineConfig, engine),
         ("engine.model", ModelConfig, engine.get("model", {})),
         ("engine.cache", CacheConfig, engine.get("cache", {})),
+        ("engine.offload", OffloadConfig, engine.get("offload", {})),
     ):
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a table, got {data!r}")
         fields = {
             f.name: f.type
             for f in dataclasses.fields(cls)
-            if f.name not in ("seed", "model", "cache")
+            if f.name not in ("seed", "model", "cache", "offload")
         }
         for key, value in data.items():
-            if cls is EngineConfig and key in ("model", "cache"):
+            if cls is EngineConfig and key in ("model", "cache", "offload"):
                 continue
             if key not in fields:
                 why = " (the seed comes from the run: --seed)" if key == "seed" else ""

@@ -1,0 +1,218 @@
+"""The host tier's checker (`offload`), pure over a history: the engine's copy records
+(engine/offload.py: offload_store, offload_restore, offload_landed, with a CRC of each block as
+read and as written) and the manager's snapshots (host_blocks, host_free beside seq_blocks).
+
+- tier_map: every block of a sequence on exactly one tier, or in flight (a copy issued and not
+  completed): a host slot held twice, or held and free; a sequence stored out that still holds
+  device blocks, or one restored that still holds host slots.
+- store_content: a store's host copy equals what the device block held when the store completed
+  (the block is still held, unwritten, until then): else the store read it early.
+- restore_content: a restore reads what the store copied (the host slot unchanged while held),
+  and the device block it wrote holds that.
+- read_in_flight: a sequence computed on restored blocks before their copy completed.
+- reuse_before_store: a device block being stored out held by another sequence before the store
+  completed.
+- landed_after_free: a load (restore) landed after its request was released, into blocks the
+  manager took back.
+A history without a host tier is not judged."""
+
+from __future__ import annotations
+
+from kvchaos.harness.check.findings import CheckResult, Finding, judged_result
+
+KINDS = ("offload_store", "offload_restore", "offload_landed", "offload_late")
+
+
+def _finding(step: int, kind: str, message: str, **evidence) -> Finding:
+    return Finding(
+        checker="offload", step=step, message=message, evidence=evidence, manifest=False, kind=kind
+    )
+
+
+def check_offload(events: list[dict]) -> CheckResult:
+    found: list[Finding] = []
+    checked = 0
+    stored: dict[str, dict] = {}  # req -> its last completed store (slot -> crc)
+    flight: dict[str, dict] = {}  # req -> the copy in flight (its event data, step)
+    where: dict[str, str] = {}  # req -> host (stored out) | device (restored)
+    for e in events:
+        kind = e.get("e")
+        if kind == "engine" and e["kind"] in KINDS:
+            checked += 1
+            d, step = e["data"], e["step"]
+            if e["kind"] == "offload_store":
+                flight[d["req"]] = {**d, "kind": "store", "step": step}
+            elif e["kind"] == "offload_late":
+                flight.pop(d["req"], None)
+                found.append(_late(step, d))
+            elif e["kind"] == "offload_restore":
+                flight[d["req"]] = {**d, "kind": "restore", "step": step}
+                found += _restore_reads(step, d, stored.get(d["req"], {}))
+            else:
+                issued = flight.pop(d["req"], None)
+                found += _landed(step, d, issued, stored)
+                where[d["req"]] = "host" if d["kind"] == "store" else "device"
+        elif kind == "tier_read":
+            c = flight.get(e["req"])
+            found.append(
+                _finding(
+                    e["step"],
+                    "read_in_flight",
+                    f"request {e['req']} computed on its restored blocks {e['blocks'][:8]} at "
+                    f"step {e['step']}, before their copy from the host tier (issued at step "
+                    f"{e['issued']}) completed",
+                    req=e["req"],
+                    blocks=e["blocks"],
+                    issued=e["issued"],
+                    restoring=c is not None,
+                )
+            )
+        elif kind == "snapshot" and "host_blocks" in e:
+            checked += 1
+            found += _tiers(e, flight, where)
+    return judged_result("offload", _first_each(found), checked)
+
+
+def _late(step: int, d: dict) -> Finding:
+    held = {b: h for b, h in d["holders"].items() if h}
+    now = f", held now by {sorted({q for h in held.values() for q in h})}" if held else ""
+    return _finding(
+        step,
+        "landed_after_free",
+        f"request {d['req']}'s load from the host tier (issued at step {d['issued']}) landed in "
+        f"blocks {d['blocks'][:8]} after the request was released{now}",
+        req=d["req"],
+        blocks=d["blocks"],
+        holders=held,
+    )
+
+
+def _restore_reads(step: int, d: dict, stored: dict) -> list[Finding]:
+    """The host slots a restore reads hold what the store copied into them."""
+    bad = [(s, b) for (s, b), c in zip(d["pairs"], d["crcs"]) if s in stored and stored[s] != c]
+    if not bad:
+        return []
+    return [
+        _finding(
+            step,
+            "restore_content",
+            f"request {d['req']} is restored from host slots {[s for s, _ in bad][:8]} whose "
+            "contents are not what its store copied into them (the host copy changed while held)",
+            req=d["req"],
+            slots=[s for s, _ in bad],
+            blocks=[b for _, b in bad],
+        )
+    ]
+
+
+def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Finding]:
+    req, out = d["req"], []
+    if issued is None:
+        return []
+    if d["kind"] == "store":
+        stored[req] = {s: c for (_, s), c in zip(d["pairs"], issued["crcs"])}
+        bad = [b for (b, _), c, h in zip(d["pairs"], d["crcs"], issued["crcs"]) if c != h]
+        if bad:
+            out.append(
+                _finding(
+                    step,
+                    "store_content",
+                    f"request {req}: the host copy of its blocks {bad[:8]} differs from what "
+                    f"the device blocks held when the store completed (issued at step "
+                    f"{issued['step']}): read before the compute writing them completed, or a "
+                    "stale host copy taken as current",
+                    req=req,
+                    blocks=bad,
+                    issued=issued["step"],
+                )
+            )
+    else:
+        bad = [b for (_, b), c, h in zip(d["pairs"], d["crcs"], issued["crcs"]) if c != h]
+        if bad:
+            out.append(
+                _finding(
+                    step,
+                    "restore_content",
+                    f"request {req}: its restored blocks {bad[:8]} do not hold what was copied "
+                    "from the host tier once the restore completed",
+                    req=req,
+                    blocks=bad,
+                )
+            )
+    return out
+
+
+def _tiers(e: dict, flight: dict, where: dict) -> list[Finding]:
+    """One snapshot's tiers: each host slot held once and not free, a stored sequence on the
+    host alone, a restored one on the device alone, a block being stored held by none else."""
+    step, host, devices = e["step"], e["host_blocks"], e["seq_blocks"]
+    out = []
+    owner: dict[int, str] = {}
+    free = set(e.get("host_free", ()))
+    for req, slots in sorted(host.items()):
+        for s in slots:
+            other = owner.setdefault(s, req)
+            if other != req or s in free:
+                why = f"held by {other} too" if other != req else "held and free"
+                out.append(
+                    _finding(
+                        step,
+                        "tier_map",
+                        f"host slot {s} of request {req} is {why}",
+                        req=req,
+                        slots=[s],
+                    )
+                )
+    for req, tier in where.items():
+        if req in flight:
+            continue
+        if tier == "host" and devices.get(req):
+            out.append(
+                _finding(
+                    step,
+                    "tier_map",
+                    f"request {req} is stored out but still holds device blocks {devices[req][:8]}",
+                    req=req,
+                    blocks=devices[req],
+                )
+            )
+        elif tier == "device" and host.get(req):
+            out.append(
+                _finding(
+                    step,
+                    "tier_map",
+                    f"request {req} is restored but still holds host slots {host[req][:8]}",
+                    req=req,
+                    slots=host[req],
+                )
+            )
+    for req, c in flight.items():
+        if c["kind"] != "store":
+            continue
+        mine = {b for b, _ in c["pairs"]}
+        for other, blocks in devices.items():
+            taken = sorted(mine & set(blocks)) if other != req else []
+            if taken:
+                out.append(
+                    _finding(
+                        step,
+                        "reuse_before_store",
+                        f"request {other} holds device blocks {taken[:8]} that request {req}'s "
+                        f"store (issued at step {c['step']}) has not finished copying out",
+                        req=req,
+                        holder=other,
+                        blocks=taken,
+                    )
+                )
+    return out
+
+
+def _first_each(found: list[Finding]) -> list[Finding]:
+    """One finding per (kind, request): a wrong tier map is told where it starts."""
+    seen, out = set(), []
+    for f in found:
+        key = (f.kind, f.evidence.get("req"))
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
