@@ -22,9 +22,10 @@ def _script():
 
 
 def _exercised() -> dict:
-    """The counts of a run with a writer record and a cache (every key, all zero)."""
+    """The counts of a run with a writer record, a cache and a host tier (every key, all zero)."""
     start = {"e": "run_start", "step": 0, "config": {"cache": {"block_size": 4, "num_blocks": 8}}}
-    return exercised([start, {"e": "kv_record", "step": 0, "ranks": 1}])
+    end = {"e": "run_end", "step": 0, "counters": {"offload_stores": 0}}
+    return exercised([start, {"e": "kv_record", "step": 0, "ranks": 1}, end])
 
 
 def test_every_variant_names_paths_that_exercised_counts():
