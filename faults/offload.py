@@ -184,6 +184,8 @@ class Offload(Fault):
         return True
 
     def after_step(self, engine, step: int, output) -> None:
+        if engine.tier is None:  # the manager offers no tier: the trigger is never pulled
+            return
         if self.p["variant"] == "stale_host":
             for req, kept in engine.tier.reused:  # a store took host copies as they were
                 stale = sorted(self.dirty.pop(req, set()) & set(kept))

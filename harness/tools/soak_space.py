@@ -11,6 +11,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from kvchaos.harness.tools import soak_fits, soak_tier
+
 # The declared ranges every soak scenario is drawn from: (lo, hi) is an inclusive range (ints
 # stay ints), a list is a choice, {"subset": [...], "min": k} a random subset of at least k.
 # The shapes follow what each failure mode needs to be provoked.
@@ -120,6 +122,24 @@ SPACE = {
         "scrambled": {},
         "stale_unread": {"probability": 1.0},
     },
+    # the host tier (added later): this share of the seeds, on a stream of their own, draw a
+    # tier scenario (harness/tools/soak_tier.py) instead of a mix: every other seed stays
+    "offload": {
+        "probability": 0.15,
+        "variant": ["store_before_compute", "restore_race", "stale_host", "host_slot_freed"],
+        "load_abort": 0.25,  # async_free's abort during a restore beside it, this share
+        "block_size": [2, 4, 8],
+        "num_requests": (8, 16),
+        "arrival_rate": (0.5, 1.5),
+        "prompt_max": (16, 28),
+        "output_max": (12, 24),
+        "pool_rows": (2, 3),  # num_blocks = pool_rows x a row: the pool preempts
+        "cold_steps": (1, 4),
+        "latency_steps": (1, 2),
+        "think_share": (0.5, 1.0),
+        "think_steps": (4, 12),
+        "cancels": (2, 6),
+    },
     # expect.within_steps per planted failure mode: each fault is judged against its own window
     "within_steps": {
         "table_overflow": 2,
@@ -128,6 +148,7 @@ SPACE = {
         "ordering_race": 2,
         "prefix_cache": 2,
         "async_free": 2,
+        "offload": 2,
     },
 }
 # Failure modes added after the soak's first draws take their own random stream: every seed's
@@ -195,6 +216,7 @@ class Fit:
             )
         if "fork" not in self.capabilities:
             out.append("fork groups: it does not declare the fork capability")
+        out.append("the host KV tier's scenarios: they plant in the reference's tier")
         return out
 
 
@@ -203,12 +225,15 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
     manager other than the reference, what it can be asked; None: the reference)."""
     from kvchaos.faults import REGISTRY
 
+    tier = random.Random(f"{seed}/soak/offload")
+    if fit is None and tier.random() < SPACE["offload"]["probability"]:
+        return soak_tier.tier_scenario(seed, tier, SPACE["offload"], _draw)
     rng = random.Random(f"{seed}/soak")
     e, w = SPACE["engine"], SPACE["workload"]
     faults = []
     skip = fit.faults_left_out() if fit else []
     for name in REGISTRY:
-        if name in skip or name not in SPACE["faults"]:  # offload: not in the mix yet
+        if name in skip or name not in SPACE["faults"]:  # offload: soak_tier's
             continue
         r = random.Random(f"{seed}/soak/{name}") if name in OWN_STREAM else rng
         if r.random() < SPACE["fault_probability"] and not _excluded(name, faults):
@@ -271,19 +296,19 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
                 "phases": _draw(rng, w["cancel_phases"]),
             },
         }
+    drawn = {f["name"]: f for f in faults}
     if "table_overflow" in names:
-        _fit_table_overflow(engine, next(f for f in faults if f["name"] == "table_overflow"))
+        soak_fits.fit_table_overflow(engine, drawn["table_overflow"])
     if "ordering_race" in names:
-        _fit_ordering_race(seed, workload, next(f for f in faults if f["name"] == "ordering_race"))
+        _fit_ordering_race(seed, workload, drawn["ordering_race"])
     if "prefix_cache" in names:
-        _fit_prefix_cache(engine, workload, next(f for f in faults if f["name"] == "prefix_cache"))
+        soak_fits.fit_prefix_cache(engine, workload, drawn["prefix_cache"])
     elif "cancel" in workload:  # served traffic shares prefixes: cache hits under every fault
         _share_prefixes(cache, workload, random.Random(f"{seed}/soak/prefix"))
     if "async_free" in names:
-        fault = next(f for f in faults if f["name"] == "async_free")
-        _fit_async_free(engine, workload, fault, "staging_stall" in names)
+        soak_fits.fit_async_free(engine, workload, drawn["async_free"], "staging_stall" in names)
     if leak is not None and "variant" in leak["params"]:  # after async_free's: retry's pool
-        _fit_leak_variant(engine, leak)  # floor wins over a preempt draw's small pool
+        soak_fits.fit_leak_variant(engine, leak)  # floor wins over a preempt draw's small pool
     if cache.get("prefix_caching") and "cancel" in workload:
         _prefix_shapes(workload, random.Random(f"{seed}/soak/shapes"))
     planted = [f["name"] for f in faults if f["defect"]]
@@ -363,27 +388,6 @@ def _leak_variant(fault: dict, rng: random.Random, fit: Fit | None = None) -> No
         fault["params"] = {"variant": v, "cancels": n}
 
 
-def _fit_leak_variant(engine: dict, fault: dict) -> None:
-    """What each variant's trigger needs of the engine (faults/refcount_leak.py check_engine):
-    retry a prefix cache, a pool its fillers can hold all but a few blocks of, and rows for them;
-    prefill a row longer than a chunk."""
-    cache, v = engine["cache"], fault["params"]["variant"]
-    bs, width = cache["block_size"], cache["max_blocks_per_seq"]
-    if v in ("preempted", "retry"):  # four requests decoding past the pool: preemptions
-        cache["num_blocks"] = min(cache["num_blocks"], 3 * width)
-    if v == "prefill":
-        engine["max_prefill_tokens"] = min(engine["max_prefill_tokens"], width * bs - 8)
-    elif v == "retry":
-        cache["prefix_caching"] = True
-        cache["max_num_seqs"] = max(cache["max_num_seqs"], 6)
-        # a cut chunk ends inside a block: what partial_key's trigger needs, if it is drawn too
-        mpt = max(bs, min(engine["max_prefill_tokens"], (width - 4) * bs - 1))
-        engine["max_prefill_tokens"] = mpt
-        need = 3 + -(-mpt // bs)
-        cache["max_blocks_per_seq"] = width = max(width, need + 4)
-        cache["num_blocks"] = min(max(cache["num_blocks"], need + 8), 3 * width)
-
-
 def _prefix_shapes(workload: dict, rng: random.Random) -> None:
     """With a prefix cache, half the draws add the shapes its bugs need (own stream)."""
     spec = SPACE["prefix_shapes"]
@@ -404,27 +408,6 @@ def _table_overflow_variant(seed: int) -> dict:
     return {"variant": g.choice(geo["variant"]) if g.random() < geo["share"] else v}
 
 
-def _fit_table_overflow(engine: dict, fault: dict) -> None:
-    """What a table_overflow variant needs of the engine: a resize policy (stride_mismatch), a
-    block of 3+ tokens (floor_width), a prefill chunk that crosses a row's end mid-chunk
-    (chunked_growth), rows for requests that run the pool dry (slot_past_pool)."""
-    v, cache = fault["params"].get("variant"), engine["cache"]
-    if v == "stride_mismatch":
-        cache["overflow_policy"] = "resize"
-    elif v == "floor_width" and cache["block_size"] < 3:
-        cache["block_size"] = 4
-    elif v == "slot_past_pool":  # rows enough for its requests to run the pool dry at once
-        pool_rows = -(-cache["num_blocks"] // cache["max_blocks_per_seq"])
-        rows = fault["params"].get("neighbours", 3) + pool_rows + 2
-        cache["max_num_seqs"] = max(cache["max_num_seqs"], rows)
-    elif v == "chunked_growth":
-        cap = cache["max_blocks_per_seq"] * cache["block_size"]
-        mpt = min(engine["max_prefill_tokens"], cap - 1)
-        while mpt > 2 and cap % mpt == 0:
-            mpt -= 1
-        engine["max_prefill_tokens"] = mpt
-
-
 def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
     """The variant, from its own stream, with its params over the drawn ones (the default leaves
     them as they were drawn); cow_lag's workload forks every request, and its requests decode
@@ -443,22 +426,6 @@ def _fit_ordering_race(seed: int, workload: dict, fault: dict) -> None:
         out["min"] = max(out["min"], out["max"] // 2)
 
 
-def _fit_async_free(engine: dict, workload: dict, fault: dict, stall: bool) -> None:
-    """async_free plants in asynchronous scheduling; preempt needs a pool the requests outgrow,
-    which a stall's few long requests never do, staging one rank (else it frees on finish)."""
-    engine["async_scheduling"] = True
-    v = fault["params"]["variant"]
-    if (v in ("preempt", "staging") and stall) or (v == "staging" and engine["tp_size"] > 1):
-        fault["params"]["variant"] = "finish"
-    elif fault["params"]["variant"] == "preempt":  # four requests that decode long: twice the
-        cache, out = engine["cache"], workload["output_len"]  # blocks one needs is too few
-        out["min"] = max(out["min"], out["max"] // 2)
-        per = -(-(workload["prompt_len"]["max"] + out["max"]) // cache["block_size"])
-        cache["num_blocks"] = max(cache["max_blocks_per_seq"], 2 * per)
-        cache["max_num_seqs"] = max(cache["max_num_seqs"], 4)
-        workload["num_requests"] = max(workload["num_requests"], 8)
-
-
 def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
     """With SPACE's prefix_probability, prompts start with shared prefixes (drawn from their own
     stream: the rest of the seed's scenario is as without them), within a table row."""
@@ -473,31 +440,6 @@ def _share_prefixes(cache: dict, workload: dict, rng: random.Random) -> None:
         "prefix_len": {"dist": "uniform", "min": 1, "max": shared},
         "share": round(rng.uniform(0.3, 0.9), 3),
         "repeat": round(rng.uniform(0.0, 0.2), 3),
-    }
-
-
-def _fit_prefix_cache(engine: dict, workload: dict, fault: dict) -> None:
-    """The prefix_cache trigger needs prefix caching, rows (and a pool) for its requests and, for
-    partial_key, a prefill chunk that ends inside a block; its workload shares prefixes."""
-    from kvchaos.faults import REGISTRY
-
-    cache, bs = engine["cache"], engine["cache"]["block_size"]
-    cache["prefix_caching"] = True
-    if fault["params"]["variant"] == "partial_key" and engine["max_prefill_tokens"] % bs == 0:
-        engine["max_prefill_tokens"] += 1
-    need = REGISTRY["prefix_cache"].row_tokens(fault["params"], bs, engine["max_prefill_tokens"])
-    cache["max_blocks_per_seq"] = max(cache["max_blocks_per_seq"], -(-need // bs))
-    cache["num_blocks"] = max(cache["num_blocks"], 3 * cache["max_blocks_per_seq"])
-    if "cancel" not in workload:  # a staging-stall workload stays as it is
-        return
-    cap = cache["max_blocks_per_seq"] * bs
-    shared = max(1, min(24, cap // 4))
-    out = workload["output_len"]
-    out["max"] = max(out["min"], min(out["max"], cap - workload["prompt_len"]["max"] - shared))
-    workload["prefix"] = {
-        "groups": 2,
-        "prefix_len": {"dist": "uniform", "min": 1, "max": shared},
-        "share": 0.7,
     }
 
 
