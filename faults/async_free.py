@@ -31,6 +31,7 @@ from typing_extensions import NotRequired, TypedDict
 from kvchaos.engine.inflight import holders
 from kvchaos.faults import base
 from kvchaos.faults.base import COUNT, Fault, OneOf, ParamError
+from kvchaos.faults.offload import no_tier
 from kvchaos.faults.plan import Action
 
 VARIANTS = ("finish", "abort", "preempt", "staging", "load_abort")
@@ -168,8 +169,9 @@ class AsyncFree(Fault):
             return
         why = REASON[self.p["variant"]]
         if self.p["variant"] == "load_abort":
-            engine.seams.free_loading = self._free_loading
-            self.late_seen = 0
+            self.late_seen, self.na = 0, no_tier(engine, "load_abort", emit)
+            if not self.na:
+                engine.seams.free_loading = self._free_loading
             return
 
         def free_in_flight(seq, reason: str) -> bool:
@@ -217,7 +219,7 @@ class AsyncFree(Fault):
         if self.p["variant"] == "staging":
             return self._after_mixed(engine, step)
         if self.p["variant"] == "load_abort":
-            return self._after_late(engine, step)
+            return None if self.na else self._after_late(engine, step)
         log = engine.inflight.log
         for x in log[self.seen :]:
             held = {b: h for b, h in x["holders"].items() if h}
@@ -286,6 +288,7 @@ class AsyncFree(Fault):
             "mixed": getattr(self, "mixed", []),
             "freed_early": getattr(self, "freed", []),
             "victims": [{"step": t, "req": q} for q, t in getattr(self, "victims", {}).items()],
+            **({"not_applicable": self.na} if getattr(self, "na", None) else {}),
         }
 
     @classmethod

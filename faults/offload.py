@@ -69,6 +69,17 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
 }
 
 
+def no_tier(engine, variant: str, emit) -> str | None:
+    """Why a variant planted in the host tier cannot plant here (the manager offers no
+    "offload"), said once as not_applicable; None where the tier is there."""
+    if engine.tier is not None:
+        return None
+    m = getattr(engine.bm, "manager", engine.bm)
+    why = f"{variant} plants in the host tier: {type(m).__name__} declares no 'offload'"
+    emit("not_applicable", {"reason": why}, 0)
+    return why
+
+
 class Early(TypedDict):
     step: int
     req: str  # the request whose store read early, or kept stale copies (restored from them)
@@ -124,6 +135,9 @@ class Offload(Fault):
         self.flipped: dict[str, int] = {}  # req -> the step its restore was issued
         self.freed: list[dict] = []
         variant = self.p["variant"]
+        self.na = no_tier(engine, variant, emit)
+        if self.na:
+            return
         if variant == "store_before_compute":
             engine.seams.store_early = self._store_early
         elif variant == "restore_race":
@@ -184,7 +198,7 @@ class Offload(Fault):
         return True
 
     def after_step(self, engine, step: int, output) -> None:
-        if engine.tier is None:  # the manager offers no tier: the trigger is never pulled
+        if self.na:
             return
         if self.p["variant"] == "stale_host":
             for req, kept in engine.tier.reused:  # a store took host copies as they were
@@ -214,6 +228,7 @@ class Offload(Fault):
             "early": getattr(self, "early", []),
             "raced": getattr(self, "raced", []),
             "freed": getattr(self, "freed", []),
+            **({"not_applicable": self.na} if getattr(self, "na", None) else {}),
         }
 
     @classmethod

@@ -298,3 +298,17 @@ def test_replay_of_a_tier_run_is_identical(tmp_path):
     r = run_scenario(load_scenario("offload-stale-host-detect"), 1, "cpu", tmp_path)
     out = replay(r.run_dir, isolated=False)
     assert out["identical"] and out["history_compared"]
+
+
+@pytest.mark.parametrize("name", ["offload-restore-race-detect", "async-free-load-abort-detect"])
+def test_a_tier_fault_under_a_manager_without_the_tier_says_it_does_not_apply(name):
+    from tests.managers import Delegate
+
+    r = run_scenario(load_scenario(name), 0, report_dir=None, block_manager=Delegate)
+    fault = "offload" if name.startswith("offload") else "async_free"
+    truth = r.results["fault_verify"][fault]
+    assert truth["not_applicable"].endswith(
+        "plants in the host tier: Delegate declares no 'offload'"
+    )
+    assert r.verdict == "INCONCLUSIVE" and "declares no 'offload'" in r.summary, r.summary
+    assert not truth["fired"] and not truth["triggered"]
