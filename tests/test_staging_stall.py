@@ -197,7 +197,7 @@ def test_the_soak_draws_every_variant_alone_on_a_serving_size_table_and_in_a_mix
     from kvchaos.harness.tools.soak_space import STAGED_ENTRIES, generate_scenario
 
     seen, mixed = set(), 0
-    for seed in range(150):
+    for seed in range(300):
         d = generate_scenario(seed)
         f = next((f for f in d.get("faults", []) if f["name"] == "staging_stall"), None)
         if f is None:
