@@ -12,7 +12,13 @@ planted in the reference pool through PoolSeams, whose defaults are the remediat
 The trigger is the same in clean and detect runs and pulled the same way for a seed: its first
 request is the first one of step 1, the others wait on it (Action.after / when). Ground truth
 comes from the pool: on_defect (what a defect path did) and on_admit (every hit, clean runs too).
-A victim is a request that READ the wrong KV, never a holder that merely shares the block."""
+A victim is a request that READ the wrong KV, never a holder that merely shares the block.
+
+stale_revive's kept key is harmless while its block still holds the KV the key names: its new
+owner has not written yet (with async scheduling its KV lands a step later), wrote the same
+tokens after the same prefix, or its writes went astray (another fault's table misread). So the
+entry goes bad, and the defect fires, at the step a write lands in the block with other KV
+(engine.written, the physical blocks each sequence's writes landed in)."""
 
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from kvchaos.faults.plan import Action
 VARIANTS = ("partial_key", "weak_key", "evict_referenced", "stale_revive")
 BAD_ENTRIES = {  # what the pool reports of a cache entry that misnames its block's KV
     "keyed_partial": "keyed before its KV was computed",
-    "kept_key": "re-allocated with its key kept",
+    "kept_key": "re-allocated with its key kept, then written over",
     "collided_parent": "keyed after a parent whose key another prefix holds",
 }
 SHARED_BLOCKS = 3  # whole blocks a trigger's reader shares with its source (not partial_key)
@@ -235,6 +241,12 @@ class PrefixCache(Fault):
         # (over slots unwritten at a step's end), kept by allocate, keyed after a collided parent
         self.bad_entries: list[dict] = []
         self.entered: set[int] = set()  # blocks already in bad_entries
+        # (stale_revive) entries allocate kept whose block still holds their KV: key -> (block,
+        # parent key, token ids) as the entry named them, and the engine's record of writes then
+        # (writes already in it came before the block was handed out)
+        self.kept: dict = {}
+        self.spoiled: set = set()  # (block, key) of entries a write spoiled while cached
+        self.looked = None  # the engine's record of writes last looked at
         self.revived_queued: list[dict] = []  # revives that left a held block in the free queue
         self.evicted_held: list[dict] = []  # allocate handed out a block others still held
         self.poisoned: list[dict] = []  # hits on blocks a victim computed after its wrong read
@@ -328,15 +340,17 @@ class PrefixCache(Fault):
             self.wrong_hits.append(hit)
             self._victim(d["req"], step, self.hit_len.get(d["req"], 0))
             self.touch(blocks=d["blocks"])
-            self.fired(step, hit)
+            intact = {x[0] for x in self.kept.values()}
+            # a stale key's block that still holds its KV serves it right: the reader stays a
+            # victim (it reads the block once written over), the defect fires then
+            if not intact.issuperset(d["blocks"]):
+                self.fired(step, hit)
+        elif kind == "kept_key":  # harmless until written over (_written_over)
+            b, pool = d["block"], self.pool
+            if (b, pool.key[b]) not in self.spoiled:  # (else bad already, not by this defect)
+                self.kept[pool.key[b]] = (b, pool.parent[b], pool.tokens[b], self.engine.written)
         elif kind in BAD_ENTRIES:
-            new = [b for b in d.get("blocks", [d.get("block")]) if b not in self.entered]
-            self.entered.update(new)  # once a block (keyed_partial comes every step)
-            for b in new:
-                self.bad_entries.append({"step": step, "block": b, "why": BAD_ENTRIES[kind]})
-                self.touch(blocks=[b])
-            if new:
-                self.fired(step, {"blocks": new, "why": BAD_ENTRIES[kind]})
+            self._bad_entries(step, kind, d.get("blocks", [d.get("block")]))
         elif kind == "revive_queued":
             self.revived_queued.append({"step": step, "block": d["block"]})
             self.touch(blocks=[d["block"]])
@@ -350,8 +364,66 @@ class PrefixCache(Fault):
                 self._victim(h, step, m.keyed.get(h, 0))
             self.emit("rehanded", self.evicted_held[-1], step)
 
+    def _bad_entries(self, step: int, kind: str, blocks) -> None:
+        new = [b for b in blocks if b not in self.entered]
+        self.entered.update(new)  # once a block (keyed_partial comes every step)
+        for b in new:
+            self.bad_entries.append({"step": step, "block": b, "why": BAD_ENTRIES[kind]})
+            self.touch(blocks=[b])
+        if new:
+            self.fired(step, {"blocks": new, "why": BAD_ENTRIES[kind]})
+
+    def _written_over(self, engine, step: int) -> None:
+        """(stale_revive) The kept entries whose block a write of this step gave other KV than
+        the entry names: bad entries from now on. Entries dropped or moved since are let go.
+        A cached entry so written while no kept one (another fault's stray write) is spoiled:
+        kept later, it misnamed its KV before this defect kept it."""
+        pool, by_block = self.pool, {}
+        if engine.written is not self.looked:
+            self.looked = engine.written
+            for q, blocks in engine.written.items():
+                for b in blocks:
+                    k = pool.key[b]
+                    if k is not None and k not in self.kept and (b, k) not in self.spoiled:
+                        if not self._same_kv(q, b, pool.parent[b], pool.tokens[b]):
+                            self.spoiled.add((b, k))
+        for k, (b, parent, toks, before) in list(self.kept.items()):
+            if pool.cache.get(k) != b:
+                del self.kept[k]
+            elif before is not engine.written:  # (a new record: a batch since it was kept)
+                by_block.setdefault(b, []).append((k, parent, toks))
+        over = set()
+        for q, blocks in engine.written.items():
+            for b in blocks:
+                if b in by_block and not all(self._same_kv(q, b, p, t) for _, p, t in by_block[b]):
+                    over.add(b)
+        for b in over:
+            for k, _, _ in by_block[b]:
+                del self.kept[k]
+        if over:
+            self._bad_entries(step, "kept_key", sorted(over))
+
+    def _same_kv(self, q: str, b: int, parent, toks: tuple) -> bool:
+        """Whether q's writes in block b are the KV an entry (parent key, token ids) names: b is
+        in q's own blocks, q's tokens there are the entry's (a prefix of them while q fills it)
+        and its blocks before it chain to the entry's parent key."""
+        m, bs = self.manager, self.pool.block_size
+        blocks, tokens = m.blocks.get(q), m.tokens.get(q)
+        if not blocks or tokens is None or b not in blocks:
+            return False
+        i = blocks.index(b)
+        mine = tuple(tokens[i * bs : (i + 1) * bs])
+        if mine != toks[: len(mine)]:
+            return False
+        k = None
+        for j in range(i):
+            k = self.pool.hash_fn(k, tuple(tokens[j * bs : (j + 1) * bs]))
+        return k == parent
+
     def after_step(self, engine, step: int, output) -> None:
         m = self.manager
+        if self.defect and self.p["variant"] == "stale_revive" and self.na is None:
+            self._written_over(engine, step)
         for x in self.evicted_held:
             if x["taker"] is None and x["step"] == step:  # who took it: one not holding it before
                 b = x["block"]
