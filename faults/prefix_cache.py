@@ -271,7 +271,7 @@ class PrefixCache(Fault):
         if not self.defect:
             return
         seams.on_defect = self._defect
-        seams.on_end_step = self._taint  # before a victim that finished releases its blocks
+        seams.on_end_step = self._end_step  # before a victim that finished releases its blocks
         if v == "partial_key":
             seams.key_after_compute = False
         elif v == "weak_key":
@@ -422,8 +422,6 @@ class PrefixCache(Fault):
 
     def after_step(self, engine, step: int, output) -> None:
         m = self.manager
-        if self.defect and self.p["variant"] == "stale_revive" and self.na is None:
-            self._written_over(engine, step)
         for x in self.evicted_held:
             if x["taker"] is None and x["step"] == step:  # who took it: one not holding it before
                 b = x["block"]
@@ -441,6 +439,13 @@ class PrefixCache(Fault):
                     self.wrong_hits.append(hit)
                     self._victim(s, step, len(m.blocks[s]))
         self.seen = len(engine.seqs)
+
+    def _end_step(self) -> None:
+        """Once the step's KV is written and its blocks keyed, before any release (so each
+        writer still holds its blocks)."""
+        self._taint()
+        if self.p["variant"] == "stale_revive":
+            self._written_over(self.engine, self.engine.step_count)
 
     def _taint(self) -> None:
         """The blocks each victim keyed since its wrong read hold KV computed from wrong KV."""
