@@ -241,11 +241,11 @@ class PrefixCache(Fault):
         # (over slots unwritten at a step's end), kept by allocate, keyed after a collided parent
         self.bad_entries: list[dict] = []
         self.entered: set[int] = set()  # blocks already in bad_entries
-        # (stale_revive) entries allocate kept whose block still holds their KV: key -> (block,
-        # parent key, token ids) as the entry named them, and the engine's record of writes then
-        # (writes already in it came before the block was handed out)
+        # (stale_revive) entries allocate kept whose block still holds their KV on some rank:
+        # key -> (block, parent key, token ids) as the entry named them, the engine's record of
+        # writes then (those came before the block was handed out), the ranks it was spoiled on
         self.kept: dict = {}
-        self.spoiled: set = set()  # (block, key) of entries a write spoiled while cached
+        self.spoiled: dict = {}  # (block, key) -> ranks where a write spoiled it while cached
         self.looked = None  # the engine's record of writes last looked at
         self.revived_queued: list[dict] = []  # revives that left a held block in the free queue
         self.evicted_held: list[dict] = []  # allocate handed out a block others still held
@@ -347,8 +347,10 @@ class PrefixCache(Fault):
                 self.fired(step, hit)
         elif kind == "kept_key":  # harmless until written over (_written_over)
             b, pool = d["block"], self.pool
-            if (b, pool.key[b]) not in self.spoiled:  # (else bad already, not by this defect)
-                self.kept[pool.key[b]] = (b, pool.parent[b], pool.tokens[b], self.engine.written)
+            k, e = pool.key[b], self.engine
+            spoiled = self.spoiled.pop((b, k), set())
+            if len(spoiled) < len(e.ranks.ranks):  # (else bad already, not by this defect)
+                self.kept[k] = (b, pool.parent[b], pool.tokens[b], e.written, spoiled)
         elif kind in BAD_ENTRIES:
             self._bad_entries(step, kind, d.get("blocks", [d.get("block")]))
         elif kind == "revive_queued":
@@ -375,31 +377,34 @@ class PrefixCache(Fault):
 
     def _written_over(self, engine, step: int) -> None:
         """(stale_revive) The kept entries whose block a write of this step gave other KV than
-        the entry names: bad entries from now on. Entries dropped or moved since are let go.
-        A cached entry so written while no kept one (another fault's stray write) is spoiled:
-        kept later, it misnamed its KV before this defect kept it."""
-        pool, by_block = self.pool, {}
-        if engine.written is not self.looked:
-            self.looked = engine.written
-            for q, blocks in engine.written.items():
-                for b in blocks:
+        the entry names, on a rank where it was still right: bad entries from now on. Entries
+        dropped or moved since are let go. A cached entry so written while not kept (another
+        fault's stray write) is spoiled on that rank: it misnamed its KV there before this defect
+        kept it."""
+        pool, by_block, written = self.pool, {}, engine.written
+        if written is not self.looked:
+            self.looked = written
+            for q, blocks in written.items():
+                for b, ranks in blocks.items():
                     k = pool.key[b]
-                    if k is not None and k not in self.kept and (b, k) not in self.spoiled:
-                        if not self._same_kv(q, b, pool.parent[b], pool.tokens[b]):
-                            self.spoiled.add((b, k))
-        for k, (b, parent, toks, before) in list(self.kept.items()):
+                    if k is None or k in self.kept or ranks <= self.spoiled.get((b, k), set()):
+                        continue
+                    if not self._same_kv(q, b, pool.parent[b], pool.tokens[b]):
+                        self.spoiled.setdefault((b, k), set()).update(ranks)
+        for k, (b, parent, toks, before, spoiled) in list(self.kept.items()):
             if pool.cache.get(k) != b:
                 del self.kept[k]
-            elif before is not engine.written:  # (a new record: a batch since it was kept)
-                by_block.setdefault(b, []).append((k, parent, toks))
+            elif before is not written:  # (a new record: a batch since it was kept)
+                by_block.setdefault(b, []).append((parent, toks, spoiled))
         over = set()
-        for q, blocks in engine.written.items():
-            for b in blocks:
-                if b in by_block and not all(self._same_kv(q, b, p, t) for _, p, t in by_block[b]):
+        for q, blocks in written.items():
+            for b, ranks in blocks.items():
+                if b in by_block and any(
+                    ranks - sp and not self._same_kv(q, b, p, t) for p, t, sp in by_block[b]
+                ):
                     over.add(b)
-        for b in over:
-            for k, _, _ in by_block[b]:
-                del self.kept[k]
+        for k in [k for k, x in self.kept.items() if x[0] in over]:
+            del self.kept[k]
         if over:
             self._bad_entries(step, "kept_key", sorted(over))
 
