@@ -18,7 +18,7 @@ stale_revive's kept key is harmless while its block still holds the KV the key n
 owner has not written yet (with async scheduling its KV lands a step later), wrote the same
 tokens after the same prefix, or its writes went astray (another fault's table misread). So the
 entry goes bad, and the defect fires, at the step a write lands in the block with other KV
-(engine.written, the physical blocks each sequence's writes landed in)."""
+(faults/prefix_kept.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.faults import base
 from kvchaos.faults.base import COUNT, Fault, Num, OneOf, ParamError
 from kvchaos.faults.plan import Action
+from kvchaos.faults.prefix_kept import KeptEntries
 
 VARIANTS = ("partial_key", "weak_key", "evict_referenced", "stale_revive")
 BAD_ENTRIES = {  # what the pool reports of a cache entry that misnames its block's KV
@@ -241,12 +242,7 @@ class PrefixCache(Fault):
         # (over slots unwritten at a step's end), kept by allocate, keyed after a collided parent
         self.bad_entries: list[dict] = []
         self.entered: set[int] = set()  # blocks already in bad_entries
-        # (stale_revive) entries allocate kept whose block still holds their KV on some rank:
-        # key -> (block, parent key, token ids) as the entry named them, the engine's record of
-        # writes then (those came before the block was handed out), the ranks it was spoiled on
-        self.kept: dict = {}
-        self.spoiled: dict = {}  # (block, key) -> ranks where a write spoiled it while cached
-        self.looked = None  # the engine's record of writes last looked at
+        self.kept: KeptEntries | None = None  # (stale_revive) the keys allocate kept
         self.revived_queued: list[dict] = []  # revives that left a held block in the free queue
         self.evicted_held: list[dict] = []  # allocate handed out a block others still held
         self.poisoned: list[dict] = []  # hits on blocks a victim computed after its wrong read
@@ -267,6 +263,7 @@ class PrefixCache(Fault):
             emit("not_applicable", {"reason": self.na}, 0)
             return
         seams, v = pool.seams, self.p["variant"]
+        self.kept = KeptEntries(engine, m, pool)
         seams.on_admit = self._admitted
         if not self.defect:
             return
@@ -340,17 +337,13 @@ class PrefixCache(Fault):
             self.wrong_hits.append(hit)
             self._victim(d["req"], step, self.hit_len.get(d["req"], 0))
             self.touch(blocks=d["blocks"])
-            intact = {x[0] for x in self.kept.values()}
+            intact = self.kept.intact() if self.kept else set()
             # a stale key's block that still holds its KV serves it right: the reader stays a
             # victim (it reads the block once written over), the defect fires then
             if not intact.issuperset(d["blocks"]):
                 self.fired(step, hit)
-        elif kind == "kept_key":  # harmless until written over (_written_over)
-            b, pool = d["block"], self.pool
-            k, e = pool.key[b], self.engine
-            spoiled = self.spoiled.pop((b, k), set())
-            if len(spoiled) < len(e.ranks.ranks):  # (else bad already, not by this defect)
-                self.kept[k] = (b, pool.parent[b], pool.tokens[b], e.written, spoiled)
+        elif kind == "kept_key" and self.kept:  # harmless until written over
+            self.kept.keep(d["block"])
         elif kind in BAD_ENTRIES:
             self._bad_entries(step, kind, d.get("blocks", [d.get("block")]))
         elif kind == "revive_queued":
@@ -374,56 +367,6 @@ class PrefixCache(Fault):
             self.touch(blocks=[b])
         if new:
             self.fired(step, {"blocks": new, "why": BAD_ENTRIES[kind]})
-
-    def _written_over(self, engine, step: int) -> None:
-        """(stale_revive) The kept entries whose block a write of this step gave other KV than
-        the entry names, on a rank where it was still right: bad entries from now on. Entries
-        dropped or moved since are let go. A cached entry so written while not kept (another
-        fault's stray write) is spoiled on that rank: it misnamed its KV there before this defect
-        kept it."""
-        pool, by_block, written = self.pool, {}, engine.written
-        if written is not self.looked:
-            self.looked = written
-            for q, blocks in written.items():
-                for b, ranks in blocks.items():
-                    k = pool.key[b]
-                    if k is None or k in self.kept or ranks <= self.spoiled.get((b, k), set()):
-                        continue
-                    if not self._same_kv(q, b, pool.parent[b], pool.tokens[b]):
-                        self.spoiled.setdefault((b, k), set()).update(ranks)
-        for k, (b, parent, toks, before, spoiled) in list(self.kept.items()):
-            if pool.cache.get(k) != b:
-                del self.kept[k]
-            elif before is not written:  # (a new record: a batch since it was kept)
-                by_block.setdefault(b, []).append((parent, toks, spoiled))
-        over = set()
-        for q, blocks in written.items():
-            for b, ranks in blocks.items():
-                if b in by_block and any(
-                    ranks - sp and not self._same_kv(q, b, p, t) for p, t, sp in by_block[b]
-                ):
-                    over.add(b)
-        for k in [k for k, x in self.kept.items() if x[0] in over]:
-            del self.kept[k]
-        if over:
-            self._bad_entries(step, "kept_key", sorted(over))
-
-    def _same_kv(self, q: str, b: int, parent, toks: tuple) -> bool:
-        """Whether q's writes in block b are the KV an entry (parent key, token ids) names: b is
-        in q's own blocks, q's tokens there are the entry's (a prefix of them while q fills it)
-        and its blocks before it chain to the entry's parent key."""
-        m, bs = self.manager, self.pool.block_size
-        blocks, tokens = m.blocks.get(q), m.tokens.get(q)
-        if not blocks or tokens is None or b not in blocks:
-            return False
-        i = blocks.index(b)
-        mine = tuple(tokens[i * bs : (i + 1) * bs])
-        if mine != toks[: len(mine)]:
-            return False
-        k = None
-        for j in range(i):
-            k = self.pool.hash_fn(k, tuple(tokens[j * bs : (j + 1) * bs]))
-        return k == parent
 
     def after_step(self, engine, step: int, output) -> None:
         m = self.manager
@@ -449,8 +392,10 @@ class PrefixCache(Fault):
         """Once the step's KV is written and its blocks keyed, before any release (so each
         writer still holds its blocks)."""
         self._taint()
-        if self.p["variant"] == "stale_revive":
-            self._written_over(self.engine, self.engine.step_count)
+        if self.p["variant"] == "stale_revive" and self.kept:
+            over = self.kept.written_over()
+            if over:
+                self._bad_entries(self.engine.step_count, "kept_key", over)
 
     def _taint(self) -> None:
         """The blocks each victim keyed since its wrong read hold KV computed from wrong KV."""
