@@ -181,4 +181,3 @@ def test_a_broken_parent_link_names_the_parent_block_and_a_spill_into_it_explain
     assert TableOverflow.explains(finding, truth) == "cause"  # it spilled into the parent
     truth["touched"]["blocks"] = [5]
     assert TableOverflow.explains(finding, truth) is None
-
