@@ -12,7 +12,13 @@ planted in the reference pool through PoolSeams, whose defaults are the remediat
 The trigger is the same in clean and detect runs and pulled the same way for a seed: its first
 request is the first one of step 1, the others wait on it (Action.after / when). Ground truth
 comes from the pool: on_defect (what a defect path did) and on_admit (every hit, clean runs too).
-A victim is a request that READ the wrong KV, never a holder that merely shares the block."""
+A victim is a request that READ the wrong KV, never a holder that merely shares the block.
+
+stale_revive's kept key is harmless while its block still holds the KV the key names: its new
+owner has not written yet (with async scheduling its KV lands a step later), wrote the same
+tokens after the same prefix, or its writes went astray (another fault's table misread). So the
+entry goes bad, and the defect fires, at the step a write lands in the block with other KV
+(faults/prefix_kept.py)."""
 
 from __future__ import annotations
 
@@ -23,11 +29,12 @@ from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.faults import base
 from kvchaos.faults.base import COUNT, Fault, Num, OneOf, ParamError
 from kvchaos.faults.plan import Action
+from kvchaos.faults.prefix_kept import KeptEntries
 
 VARIANTS = ("partial_key", "weak_key", "evict_referenced", "stale_revive")
 BAD_ENTRIES = {  # what the pool reports of a cache entry that misnames its block's KV
     "keyed_partial": "keyed before its KV was computed",
-    "kept_key": "re-allocated with its key kept",
+    "kept_key": "re-allocated with its key kept, then written over",
     "collided_parent": "keyed after a parent whose key another prefix holds",
 }
 SHARED_BLOCKS = 3  # whole blocks a trigger's reader shares with its source (not partial_key)
@@ -235,6 +242,7 @@ class PrefixCache(Fault):
         # (over slots unwritten at a step's end), kept by allocate, keyed after a collided parent
         self.bad_entries: list[dict] = []
         self.entered: set[int] = set()  # blocks already in bad_entries
+        self.kept: KeptEntries | None = None  # (stale_revive) the keys allocate kept
         self.revived_queued: list[dict] = []  # revives that left a held block in the free queue
         self.evicted_held: list[dict] = []  # allocate handed out a block others still held
         self.poisoned: list[dict] = []  # hits on blocks a victim computed after its wrong read
@@ -255,11 +263,12 @@ class PrefixCache(Fault):
             emit("not_applicable", {"reason": self.na}, 0)
             return
         seams, v = pool.seams, self.p["variant"]
+        self.kept = KeptEntries(engine, m, pool)
         seams.on_admit = self._admitted
         if not self.defect:
             return
         seams.on_defect = self._defect
-        seams.on_end_step = self._taint  # before a victim that finished releases its blocks
+        seams.on_end_step = self._end_step  # before a victim that finished releases its blocks
         if v == "partial_key":
             seams.key_after_compute = False
         elif v == "weak_key":
@@ -328,15 +337,15 @@ class PrefixCache(Fault):
             self.wrong_hits.append(hit)
             self._victim(d["req"], step, self.hit_len.get(d["req"], 0))
             self.touch(blocks=d["blocks"])
-            self.fired(step, hit)
+            intact = self.kept.intact() if self.kept else set()
+            # a stale key's block that still holds its KV serves it right: the reader stays a
+            # victim (it reads the block once written over), the defect fires then
+            if not intact.issuperset(d["blocks"]):
+                self.fired(step, hit)
+        elif kind == "kept_key" and self.kept:  # harmless until written over
+            self.kept.keep(d["block"])
         elif kind in BAD_ENTRIES:
-            new = [b for b in d.get("blocks", [d.get("block")]) if b not in self.entered]
-            self.entered.update(new)  # once a block (keyed_partial comes every step)
-            for b in new:
-                self.bad_entries.append({"step": step, "block": b, "why": BAD_ENTRIES[kind]})
-                self.touch(blocks=[b])
-            if new:
-                self.fired(step, {"blocks": new, "why": BAD_ENTRIES[kind]})
+            self._bad_entries(step, kind, d.get("blocks", [d.get("block")]))
         elif kind == "revive_queued":
             self.revived_queued.append({"step": step, "block": d["block"]})
             self.touch(blocks=[d["block"]])
@@ -349,6 +358,15 @@ class PrefixCache(Fault):
             for h in holders:
                 self._victim(h, step, m.keyed.get(h, 0))
             self.emit("rehanded", self.evicted_held[-1], step)
+
+    def _bad_entries(self, step: int, kind: str, blocks) -> None:
+        new = [b for b in blocks if b not in self.entered]
+        self.entered.update(new)  # once a block (keyed_partial comes every step)
+        for b in new:
+            self.bad_entries.append({"step": step, "block": b, "why": BAD_ENTRIES[kind]})
+            self.touch(blocks=[b])
+        if new:
+            self.fired(step, {"blocks": new, "why": BAD_ENTRIES[kind]})
 
     def after_step(self, engine, step: int, output) -> None:
         m = self.manager
@@ -369,6 +387,15 @@ class PrefixCache(Fault):
                     self.wrong_hits.append(hit)
                     self._victim(s, step, len(m.blocks[s]))
         self.seen = len(engine.seqs)
+
+    def _end_step(self) -> None:
+        """Once the step's KV is written and its blocks keyed, before any release (so each
+        writer still holds its blocks)."""
+        self._taint()
+        if self.p["variant"] == "stale_revive" and self.kept:
+            over = self.kept.written_over()
+            if over:
+                self._bad_entries(self.engine.step_count, "kept_key", over)
 
     def _taint(self) -> None:
         """The blocks each victim keyed since its wrong read hold KV computed from wrong KV."""

@@ -181,3 +181,18 @@ def test_a_broken_parent_link_names_the_parent_block_and_a_spill_into_it_explain
     assert TableOverflow.explains(finding, truth) == "cause"  # it spilled into the parent
     truth["touched"]["blocks"] = [5]
     assert TableOverflow.explains(finding, truth) is None
+
+
+def test_the_told_cap_is_a_step_s_so_a_flood_does_not_silence_a_later_step(monkeypatch):
+    """An earlier step's flood of wrong entries (another fault's) leaves a later step's own wrong
+    entry told (soak seed 1020: async_free's 64 by step 12 hid every stale_revive entry)."""
+    import kvchaos.harness.run.cache_state as cs
+
+    monkeypatch.setattr(cs, "MAX_TOLD", 2)
+    rec, w = KVRecord(8, BS), CacheWatch(BS)
+    flood = [entry(b, f"k{b}", None, [1, 2]) for b in range(4)]  # never written: partial
+    assert len(w.check(rec, flood, 1)) == 2 and w.untold == 2
+    rec.write("a", 0, 5, b"x" * 8, 10, 2)  # block 5, keyed later over other tokens
+    rec.write("a", 1, 6, b"y" * 8, 11, 2)
+    (ev,) = w.check(rec, [*flood, entry(5, "k5", None, [7, 8])], 2)
+    assert (ev["block"], ev["problem"]) == (5, "tokens")

@@ -320,3 +320,21 @@ def test_the_soak_draws_every_variant_with_prefix_caching_on():
             assert d["engine"]["cache"]["prefix_caching"] and "prefix" in d["workload"]
             parse_scenario(d, f"<soak {seed}>")  # its params fit the engine drawn
     assert seen == set(VARIANTS) and "prefix_cache" in REGISTRY
+
+
+@pytest.mark.parametrize("seed", [1020, 1428, 2028])
+def test_stale_revive_fires_when_a_kept_key_s_block_is_written_over(seed):
+    """Soak seeds 1020 (async scheduling, async_free) and 1428 (table_overflow, refcount_leak)
+    were MISSED: the truth fired as allocate kept a key, while the block still held the KV the
+    key names for 4-6 steps (its owner's KV a step late, or written astray, or the entry spoiled
+    by another fault before). It fires when a write lands there with other KV: caught at once.
+    2028: async_free's flood of wrong entries used the run's told cap by step 12 (now a step's)."""
+    from kvchaos.harness.tools.soak_space import generate_scenario
+
+    sc = parse_scenario(generate_scenario(seed), f"<soak {seed}>")
+    r = run_scenario(sc, seed, "cpu", None)
+    assert r.verdict == "PASS", r.summary
+    truth = r.results["fault_verify"]["prefix_cache"]
+    kept = [x for x in truth["bad_entries"] if x["why"].startswith("re-allocated")]
+    assert kept and truth["first_step"] == min(x["step"] for x in kept)
+    assert r.results["time_to_detect_steps"]["prefix_cache"] <= 2
