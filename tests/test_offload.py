@@ -272,12 +272,14 @@ def test_the_reference_with_a_host_tier_passes_offload_and_a_store_that_frees_ea
     from kvchaos.engine.block_manager import HostTierBlockManager
     from kvchaos.harness.conformance.suite import run_conformance
 
-    ok = {r.name: r for r in run_conformance(HostTierBlockManager, examples=15)}
+    # 60 histories: with 15, whether one reaches a store depended on what the process had
+    # imported before (the test's neighbours under xdist), never on the manager
+    ok = {r.name: r for r in run_conformance(HostTierBlockManager, examples=60)}
     assert ok["offload"].status == "passed", ok["offload"]
     assert all(r.status != "failed" for r in ok.values()), [r for r in ok.values()]
     plain = {r.name: r for r in run_conformance(BlockManager, examples=3)}
     assert plain["offload"].status == "not applicable"
-    bad = {r.name: r for r in run_conformance(GivesBackAtStore, examples=15)}
+    bad = {r.name: r for r in run_conformance(GivesBackAtStore, examples=60)}
     assert bad["offload"].status == "failed"
     assert "before offload_done" in bad["offload"].message
 

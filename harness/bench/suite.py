@@ -301,32 +301,26 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
             higher_is_better=False,
         )
 
-    with console.status("bench: async scheduling") if console.is_terminal else nullcontext():
-        from kvchaos.harness.bench.async_step import bench_async_step
+    # a config change's cost on the decode step, against the same engine without it
+    from kvchaos.harness.bench.async_step import bench_async_step
+    from kvchaos.harness.bench.offload_step import bench_offload_step
 
-        ast = bench_async_step(device, p["b8_steps"], p["b8_warmup"])
-        m["async_scheduling_b8_ctx128"] = _metric(
-            "async scheduling on vs off, decode step B=8 ctx 128",
+    agrees = {}
+    for key, what, fn, on, off, base in (
+        ("async_scheduling", "async scheduling", bench_async_step, "async_step_s",
+         "sync_step_s", "the same engine, synchronous"),
+        ("offload_tier", "host KV tier", bench_offload_step, "tier_step_s",
+         "one_tier_step_s", "the same engine, one tier (plain manager)"),
+    ):  # fmt: skip
+        with console.status(f"bench: {what}") if console.is_terminal else nullcontext():
+            got = fn(device, p["b8_steps"], p["b8_warmup"])
+        agrees[f"{key}_tokens_agree"] = got["tokens_agree"]
+        m[f"{key}_b8_ctx128"] = _metric(
+            f"{what} on vs off, decode step B=8 ctx 128",
             "ms/step",
-            ast["async_step_s"] * 1e3,
-            ast["sync_step_s"] * 1e3,
-            "the same engine, synchronous",
-            1.1,
-            "<=",
-            "ratio",
-            higher_is_better=False,
-        )
-
-    with console.status("bench: host tier") if console.is_terminal else nullcontext():
-        from kvchaos.harness.bench.offload_step import bench_offload_step
-
-        ot = bench_offload_step(device, p["b8_steps"], p["b8_warmup"])
-        m["offload_tier_b8_ctx128"] = _metric(
-            "host KV tier on vs off, decode step B=8 ctx 128",
-            "ms/step",
-            ot["tier_step_s"] * 1e3,
-            ot["one_tier_step_s"] * 1e3,
-            "the same engine, one tier (plain manager)",
+            got[on] * 1e3,
+            got[off] * 1e3,
+            base,
             1.1,
             "<=",
             "ratio",
@@ -403,7 +397,7 @@ def _run(quick: bool, device: str, out_json: str | None, console) -> dict:
         "checks": {
             "paged_vs_contiguous_max_abs_logit_err": pc["max_abs_logit_err"],
             "paged_vs_contiguous_first_token_agrees": pc["first_token_agrees"],
-            "async_scheduling_tokens_agree": ast["tokens_agree"],
+            **agrees,  # async_scheduling_ / offload_tier_tokens_agree
             "contiguous_attention": "torch SDPA over [:t+1] of per-layer [B, T, Hkv, D] caches, "
             "read in place, with the paged path's GQA formulation (query group as queries)",
         },
