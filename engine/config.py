@@ -138,9 +138,17 @@ class OffloadConfig:
     cold_steps: int = 2
     latency_steps: int = 1  # steps an asynchronous copy takes to complete (deferred, seeded)
     preempt: bool = True  # a preempted request is stored out instead of recomputed
+    # the copy bandwidth: blocks landing per step, all copies sharing it in issue order (each
+    # block its own due step); 0: unlimited, a copy's blocks land together
+    blocks_per_step: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("host_blocks", 1), ("cold_steps", 0), ("latency_steps", 1)):
+        for name, low in (
+            ("host_blocks", 1),
+            ("cold_steps", 0),
+            ("latency_steps", 1),
+            ("blocks_per_step", 0),
+        ):
             v = getattr(self, name)
             _require(
                 isinstance(v, int) and not isinstance(v, bool) and v >= low,
@@ -214,6 +222,8 @@ class EngineConfig:
             del d["async_scheduling"]
         if self.offload is None:
             del d["offload"]
+        elif not self.offload.blocks_per_step:  # unlimited: the dict (and hash) it always had
+            del d["offload"]["blocks_per_step"]
         return d
 
     def config_hash(self) -> str:

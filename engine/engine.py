@@ -131,11 +131,16 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
         # a host tier ([engine.offload]), where the manager offers it (else not applicable)
         self.tier: HostTier | None = None
         if config.offload is not None and "offload" in self.capabilities:
-            self.tier = HostTier.build(
-                self.kv_pools, self.bm.host_blocks, config.offload.latency_steps
-            )
             self.counters.update(
                 offload_stores=0, offload_restores=0, offload_fences=0, offload_refused=0
+            )
+            oc = config.offload  # (on CUDA the side stream's counts join the counters)
+            self.tier = HostTier.build(
+                self.kv_pools,
+                self.bm.host_blocks,
+                oc.latency_steps,
+                oc.blocks_per_step,
+                self.counters,
             )
         if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(

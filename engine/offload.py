@@ -7,17 +7,22 @@ the engine copies and keeps the tier map beside the table (each logical block of
 device, host, or in flight). The kernels only ever read device-tier blocks: a sequence is
 scheduled once its restore completed.
 
-Copies are asynchronous with completion per sequence's blocks: on the CPU deferred by the step
-count (`latency_steps`), no thread, so a seed gives the same history byte for byte. A store
-reads the device blocks when it is issued (as a DMA on a side stream would) and completes
-`latency_steps` later; only then does the manager free the device blocks (`offload_done`). A
-preemption's store completes at once (the scheduler needs the room now: the engine waits for
-it). A restore writes the device blocks when it completes. Every copy records a CRC of each
-block it read and, at completion, of each block it wrote or left (the checkers compare them).
+Copies are asynchronous with completion per block: on the CPU deferred by the step count, no
+thread, so a seed gives the same history byte for byte; on CUDA on a side stream, each block's
+event waited for (engine/tier_stream.py). A copy's blocks are due `latency_steps` after it is
+issued; with a bandwidth (`blocks_per_step`, shared by the copies in issue order) they land in
+order over several steps, each its own due step, and the tier map follows each block (flight,
+then host or device). A store reads the device blocks when it is issued (as a DMA on a side
+stream would); once its last block landed the manager frees the device blocks (`offload_done`).
+A preemption's store completes at once (the scheduler needs the room now: the engine waits for
+it). A restore writes each device block when it lands; the request is scheduled once the last
+did. Every copy records a CRC of each block it read and, as each lands, of each block it wrote or
+left (the checkers compare them, block by block).
 
 Seams (faults/offload.py, faults/async_free.py): `store_early` (the store reads blocks the step
 in flight still writes, under async scheduling: the remediation waits for that step),
-`restore_flip` (the sequence computes on its restored blocks before the copy completed) and
+`restore_flip` (the sequence computes on its restored blocks before the copy completed: with
+a bandwidth, once its first block landed, before the last) and
 `free_loading` (a request released while its restore is in flight: the load lands later, into
 blocks handed on) and `stale_host` (a restored request's host copy of a block stays valid after
 the block is written: its next store skips it, as a write-back cache that misses a dirty bit).
@@ -29,10 +34,11 @@ step)."""
 from __future__ import annotations
 
 import zlib
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.sequence import State
@@ -52,6 +58,7 @@ class OffloadStore(TypedDict):
     due: int
     crcs: list[int]  # each host copy as read (every rank's, chained)
     fenced: bool  # it waited for the step in flight that wrote the blocks (async scheduling)
+    dues: NotRequired[list[int]]  # with a bandwidth: each block's due step (`due`: the last's)
 
 
 class OffloadRestore(TypedDict):
@@ -62,10 +69,12 @@ class OffloadRestore(TypedDict):
     due: int
     crcs: list[int]  # each host slot's content now
     flipped: bool  # the table named the new blocks to the kernels before the copy completed
+    dues: NotRequired[list[int]]  # with a bandwidth: each block's due step (`due`: the last's)
 
 
 class OffloadLanded(TypedDict):
-    """A copy completed. store: each device block's CRC now (what the host copy must equal);
+    """Blocks of a copy landed (all of them, without a bandwidth; the copy completed once every
+    block of its issue did). store: each device block's CRC now (what its host copy must equal);
     restore: each device block's CRC once written (what the store's copy was)."""
 
     req: str
@@ -106,6 +115,7 @@ class OffloadTier(TypedDict):
     in_flight: int  # sequences with a copy in flight
     stored: int  # blocks whose store completed this step
     restored: int  # ... whose restore completed
+    blocks_in_flight: NotRequired[int]  # with a bandwidth: blocks issued, not landed
 
 
 @dataclass(kw_only=True)
@@ -114,7 +124,15 @@ class Copy:
     req: str
     pairs: list[tuple[int, int]]
     issued: int
-    due: int
+    dues: list[int]  # each block's due step, in logical order (never decreasing)
+    done: int = 0  # blocks landed (the first `done`)
+    flip: bool = False  # (seam restore_flip, with a bandwidth) the table flips at a first landing
+    marks: list = field(default_factory=list)  # CUDA: each block's event on the side stream
+
+    @property
+    def due(self) -> int:
+        """The step its last block is due."""
+        return self.dues[-1] if self.dues else self.issued
 
 
 @dataclass(kw_only=True)
@@ -123,6 +141,9 @@ class HostTier:
 
     pools: list[torch.Tensor]  # per rank: [layers, K/V, host_blocks, block_size, heads, dim]
     latency: int
+    bandwidth: int = 0  # blocks landing per step, shared in issue order; 0: unlimited
+    booked: dict[int, int] = field(default_factory=dict)  # step -> blocks due in it
+    side: object = None  # CUDA: the copy stream (tier_stream.SideStream); None on the CPU
     copies: dict[str, Copy] = field(default_factory=dict)  # one copy in flight per sequence
     tiers: dict[str, list[list]] = field(default_factory=dict)  # seq -> [tier, id] per block
     traffic: dict[str, int] = field(default_factory=lambda: {"stored": 0, "restored": 0})
@@ -137,7 +158,10 @@ class HostTier:
     reads: list[tuple[str, list[int], int]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, device_pools: list, host_blocks: int, latency: int) -> HostTier:
+    def build(
+        cls, device_pools: list, host_blocks: int, latency: int, bandwidth: int, counters: dict
+    ) -> HostTier:
+        """The host pools; on CUDA the side stream too (its counts go in `counters`)."""
         import torch
 
         pools = []
@@ -145,7 +169,27 @@ class HostTier:
             shape = (*p.shape[:2], host_blocks, *p.shape[3:])
             pin = p.device.type == "cuda"  # pinned for the asynchronous copy; plain on the CPU
             pools.append(torch.zeros(shape, dtype=p.dtype, device="cpu", pin_memory=pin))
-        return cls(pools=pools, latency=latency)
+        side = None
+        if device_pools and device_pools[0].device.type == "cuda":
+            from kvchaos.engine.tier_stream import SideStream
+
+            side = SideStream(device_pools[0].device, counters)
+        return cls(pools=pools, latency=latency, bandwidth=bandwidth, side=side)
+
+    def book(self, n: int, start: int) -> list[int]:
+        """n blocks' due steps from `start`: unlimited, all at start; else each the earliest
+        step with bandwidth left after the blocks booked before it (first in, first out). A
+        copy completed early (the engine waited for it) keeps its bookings: no later copy
+        overtakes an earlier one."""
+        if not self.bandwidth:
+            return [start] * n
+        dues, s = [], start
+        for _ in range(n):
+            while self.booked.get(s, 0) >= self.bandwidth:
+                s += 1
+            self.booked[s] = self.booked.get(s, 0) + 1
+            dues.append(s)
+        return dues
 
 
 def crc(pools: list, index: int) -> int:
@@ -180,31 +224,42 @@ class TierSteps:
             return False
         bs = self.bm.block_size
         kept = tier.kept.pop(seq.id, {})  # still valid on the host: not copied again
+        dues = (
+            [step] * len(pairs) if why == "preempt" else tier.book(len(pairs), step + tier.latency)
+        )
+        c = Copy(kind="store", req=seq.id, pairs=pairs, issued=step, dues=dues)
+        if tier.side is not None:  # CUDA: on the side stream, after the step's writes unless early
+            c.marks = tier.side.store(pairs, self.kv_pools, tier.pools, set(kept), not early)
+            tier.side.host_wait(c.marks)  # what it read, for the record (and the slots below)
         for rank, (dev, host) in enumerate(zip(self.kv_pools, tier.pools)):
             for i, (b, s) in enumerate(pairs):
-                host[:, :, s] = kept[i][rank] if i in kept else dev[:, :, b]
+                if i in kept:
+                    host[:, :, s] = kept[i][rank]
+                elif tier.side is None:
+                    host[:, :, s] = dev[:, :, b]
             for r, slot in early:  # read before those writes landed: what the slot held before
                 if r == rank and any(b == slot // bs for b, _ in pairs):
                     s = dict(pairs)[slot // bs]
                     host[:, :, s, slot % bs] = 0
         if kept:
             tier.reused.append((seq.id, sorted(i for i in kept if i < len(pairs))))
-        due = step if why == "preempt" else step + tier.latency
-        tier.copies[seq.id] = Copy(kind="store", req=seq.id, pairs=pairs, issued=step, due=due)
+        tier.copies[seq.id] = c
         tier.tiers[seq.id] = [["flight", b, s] for b, s in pairs]
         seq.tier = "storing"
         ev = OffloadStore(
             req=seq.id,
             why=why,
             pairs=[[b, s] for b, s in pairs],
-            due=due,
+            due=c.due,
             crcs=[crc(tier.pools, s) for _, s in pairs],
             fenced=fenced,
         )
+        if tier.bandwidth:
+            ev["dues"] = dues
         self.counters["offload_stores"] += 1
         self.seams.on_event("offload_store", dict(ev))
-        if due <= step:
-            self._tier_land(tier.copies.pop(seq.id))
+        if c.due <= step:
+            self._tier_land(c)
         return True
 
     def _tier_restore(self, seq) -> bool:
@@ -217,49 +272,83 @@ class TierSteps:
             self.table.drop(seq.id)
             return False
         self.table.sync(seq.id)
-        due = step + tier.latency
-        tier.copies[seq.id] = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, due=due)
+        dues = tier.book(len(pairs), step + tier.latency)
+        c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues)
+        tier.copies[seq.id] = c
+        if tier.side is not None:  # CUDA: on the side stream now, each block's event awaited
+            c.marks = tier.side.restore(pairs, self.kv_pools, tier.pools)
         tier.tiers[seq.id] = [["flight", b, s] for s, b in pairs]
         flipped = bool(self.seams.restore_flip(seq))
-        seq.tier = "device" if flipped else "restoring"
+        # with a bandwidth the defect flips the table once the first block landed (a copy's
+        # completion taken from its first block), before the last
+        c.flip = flipped and bool(tier.bandwidth)
+        seq.tier = "device" if flipped and not c.flip else "restoring"
         ev = OffloadRestore(
             req=seq.id,
             pairs=[[s, b] for s, b in pairs],
-            due=due,
+            due=c.due,
             crcs=[crc(tier.pools, s) for s, _ in pairs],
             flipped=flipped,
         )
+        if tier.bandwidth:
+            ev["dues"] = dues
         self.counters["offload_restores"] += 1
         self.seams.on_event("offload_restore", dict(ev))
         return True
 
-    def _tier_land(self, c: Copy) -> None:
-        """c completed: a restore writes the device blocks; the manager is told (offload_done)."""
-        tier, seq = self.tier, self.seqs[c.req]
+    def _tier_land(self, c: Copy, every: bool = False) -> None:
+        """c's blocks due by this step land, in order (every: all those left, the engine waits
+        for the copy): a restore writes their device blocks, the tier map names their tier. Once
+        the last landed the copy completed: the manager is told (offload_done)."""
+        tier, seq, step = self.tier, self.seqs[c.req], self.step_count
+        first, n = c.done, len(c.pairs)
+        k = n if every else max(first, bisect_right(c.dues, step))
+        if k == first:
+            return
+        done = k == n
+        if done and tier.copies.get(c.req) is c:
+            del tier.copies[c.req]
+        part, c.done = c.pairs[first:k], k
         if c.kind == "restore":
-            for dev, host in zip(self.kv_pools, tier.pools):
-                for s, b in c.pairs:
-                    dev[:, :, b] = host[:, :, s]
-            kept = {i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)}
-            tier.kept[c.req] = kept
-        written = [b for b, _ in c.pairs] if c.kind == "store" else [b for _, b in c.pairs]
+            if tier.side is not None:  # the kernels read them after their copies, not before
+                tier.side.compute_wait(c.marks[first:k])
+            else:
+                for dev, host in zip(self.kv_pools, tier.pools):
+                    for s, b in part:
+                        dev[:, :, b] = host[:, :, s]
+            if done:
+                kept = {
+                    i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)
+                }
+                tier.kept[c.req] = kept
+        written = [b for b, _ in part] if c.kind == "store" else [b for _, b in part]
         ev = OffloadLanded(
             req=c.req,
             kind=c.kind,
             issued=c.issued,
-            pairs=[list(p) for p in c.pairs],
+            pairs=[list(p) for p in part],
             crcs=[crc(self.kv_pools, b) for b in written],
         )
-        self.bm.offload_done(c.req)
+        if done:
+            self.bm.offload_done(c.req)
+        row = tier.tiers.get(c.req)
         if c.kind == "store":
-            self.table.drop(c.req)
-            tier.tiers[c.req] = [["host", s] for _, s in c.pairs]
-            seq.tier = "host"
-            tier.traffic["stored"] += len(c.pairs)
+            tier.traffic["stored"] += len(part)
+            if done:
+                self.table.drop(c.req)
+                tier.tiers[c.req] = [["host", s] for _, s in c.pairs]
+                seq.tier = "host"
+            elif row is not None:
+                row[first:k] = [["host", s] for _, s in part]
         else:
-            tier.tiers.pop(c.req, None)  # on the device alone, as every other sequence
-            seq.tier = "device"
-            tier.traffic["restored"] += len(c.pairs)
+            tier.traffic["restored"] += len(part)
+            if done:
+                tier.tiers.pop(c.req, None)  # on the device alone, as every other sequence
+                seq.tier = "device"
+            elif row is not None:
+                row[first:k] = [["device", b] for _, b in part]
+                if c.flip:  # the defect: its table flipped, it runs on the blocks still in flight
+                    seq.tier = "device"
         self.seams.on_event("offload_landed", dict(ev))
 
     def _tier_reads(self, decode: list, prefill: list) -> None:
@@ -268,8 +357,8 @@ class TierSteps:
         copies, kept, bs = self.tier.copies, self.tier.kept, self.bm.block_size
         for s, n in (*((d, 1) for d in decode), *prefill):
             c = copies.get(s.id)
-            if c is not None and c.kind == "restore":
-                self.tier.reads.append((s.id, [b for _, b in c.pairs], c.issued))
+            if c is not None and c.kind == "restore":  # the blocks not landed yet
+                self.tier.reads.append((s.id, [b for _, b in c.pairs[c.done :]], c.issued))
             mine = kept.get(s.id)
             if mine:  # blocks written now: their host copies are stale (the remediation drops them)
                 first = s.num_computed // bs
@@ -285,8 +374,11 @@ class TierSteps:
         c = tier.copies.get(seq.id)
         if c is not None and c.kind == "restore" and self.seams.free_loading(seq, why):
             del tier.copies[seq.id]
-            c.due = self.step_count + 1  # lands once the next step computed
-            tier.orphans.append((c, [h[:, :, [s for s, _ in c.pairs]].clone() for h in tier.pools]))
+            left, bw = c.pairs[c.done :], tier.bandwidth  # (a partial restore: those not landed)
+            # they land once the next step computed (with a bandwidth, in order from then)
+            dues = [self.step_count + 1 + (i // bw if bw else 0) for i in range(len(left))]
+            late = Copy(kind="restore", req=c.req, pairs=left, issued=c.issued, dues=dues)
+            tier.orphans.append((late, [h[:, :, [s for s, _ in left]].clone() for h in tier.pools]))
         else:
             self._tier_settle(seq)
         tier.tiers.pop(seq.id, None)
@@ -299,12 +391,14 @@ class TierSteps:
 
         tier, step, keep = self.tier, self.step_count, []
         for c, content in tier.orphans:
-            if c.due > step:
+            first, k = c.done, bisect_right(c.dues, step)
+            if k < len(c.pairs):
                 keep.append((c, content))
+            if k <= first:
                 continue
-            blocks = [b for _, b in c.pairs]
+            c.done, blocks = k, [b for _, b in c.pairs[first:k]]
             for dev, kv in zip(self.kv_pools, content):
-                dev[:, :, blocks] = kv
+                dev[:, :, blocks] = kv if (first, k) == (0, len(c.pairs)) else kv[:, :, first:k]
             held = {str(b): holders(self.table, b) for b in blocks}
             ev = OffloadLate(req=c.req, issued=c.issued, blocks=blocks, holders=held)
             tier.late.append(ev)
@@ -313,18 +407,20 @@ class TierSteps:
 
     def _tier_settle(self, seq) -> None:
         """seq leaves (or is stored) while its copy is in flight: the copy completes first."""
-        c = self.tier.copies.pop(seq.id, None)
+        c = self.tier.copies.get(seq.id)
         if c is not None:
             self.counters["offload_fences"] += 1
-            self._tier_land(c)
+            self._tier_land(c, every=True)
 
     def _tier_tick(self) -> None:
         """The step's start: due copies complete, cold sequences are stored out, waiting stored
         sequences restored (in queue order, while there is room), then the tier's telemetry."""
         tier, step, sched = self.tier, self.step_count, self.scheduler
         tier.traffic, tier.reads, tier.reused = {"stored": 0, "restored": 0}, [], []
-        for req in [q for q, c in tier.copies.items() if c.due <= step]:
-            self._tier_land(tier.copies.pop(req))
+        if tier.booked:  # steps gone by
+            tier.booked = {s: n for s, n in tier.booked.items() if s >= step}
+        for c in [c for c in tier.copies.values() if c.dues[c.done] <= step]:
+            self._tier_land(c)
         if tier.orphans:
             self._tier_orphans()
         cold = self.config.offload.cold_steps
@@ -369,4 +465,6 @@ class TierSteps:
             stored=tier.traffic["stored"],
             restored=tier.traffic["restored"],
         )
+        if tier.bandwidth:
+            ev["blocks_in_flight"] = sum(len(c.pairs) - c.done for c in tier.copies.values())
         self.seams.on_event("offload_tier", dict(ev))

@@ -152,6 +152,8 @@ class AsyncFree(Fault):
         if self.p["variant"] not in ("abort", "load_abort"):
             return
         when = "decode" if self.p["variant"] == "abort" else "restoring"  # a load in flight
+        if when == "restoring" and cfg.offload.blocks_per_step:
+            when = "landing"  # with a bandwidth: a load partly landed
         subs = [a for a in plan.actions if a.op == "submit"]
         for a in subs[1 :: max(1, len(subs) // max(1, self.p["cancels"]))][: self.p["cancels"]]:
             plan.add(Action(a.step, "cancel", a.req, when=when, origin=self.name))

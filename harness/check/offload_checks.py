@@ -1,17 +1,19 @@
 """The host tier's checker (`offload`), pure over a history: the engine's copy records
 (engine/offload.py: offload_store, offload_restore, offload_landed, with a CRC of each block as
 read and as written) and the manager's snapshots (host_blocks, host_free beside seq_blocks).
+Judged block by block: a copy's blocks land in order, each its own offload_landed (with a
+bandwidth, over several steps); the copy completed once every block it issued landed.
 
 - tier_map: every block of a sequence on exactly one tier, or in flight (a copy issued and not
   completed): a host slot held twice, or held and free; a sequence stored out that still holds
   device blocks, or one restored that still holds host slots.
-- store_content: a store's host copy equals what the device block held when the store completed
-  (the block is still held, unwritten, until then): else the store read it early.
+- store_content: a store's host copy of a block equals what the device block held when that
+  block's copy completed (the block is still held, unwritten, until then): else it was read early.
 - restore_content: a restore reads what the store copied (the host slot unchanged while held),
   and the device block it wrote holds that.
-- read_in_flight: a sequence computed on restored blocks before their copy completed.
-- reuse_before_store: a device block being stored out held by another sequence before the store
-  completed.
+- read_in_flight: a block read by the kernels while its restore was in flight (not landed).
+- reuse_before_store: a device block being stored out held by another sequence before its copy
+  landed.
 - landed_after_free: a load (restore) landed after its request was released, into blocks the
   manager took back.
 A history without a host tier is not judged."""
@@ -41,36 +43,50 @@ def check_offload(events: list[dict]) -> CheckResult:
             checked += 1
             d, step = e["data"], e["step"]
             if e["kind"] == "offload_store":
-                flight[d["req"]] = {**d, "kind": "store", "step": step}
+                flight[d["req"]] = {**d, "kind": "store", "step": step, "left": _blocks(d, 0)}
             elif e["kind"] == "offload_late":
                 flight.pop(d["req"], None)
                 found.append(_late(step, d))
             elif e["kind"] == "offload_restore":
-                flight[d["req"]] = {**d, "kind": "restore", "step": step}
+                flight[d["req"]] = {**d, "kind": "restore", "step": step, "left": _blocks(d, 1)}
                 found += _restore_reads(step, d, stored.get(d["req"], {}))
             else:
-                issued = flight.pop(d["req"], None)
+                issued = flight.get(d["req"])
                 found += _landed(step, d, issued, stored)
-                where[d["req"]] = "host" if d["kind"] == "store" else "device"
+                if issued is None or not issued["left"]:  # its last block landed
+                    flight.pop(d["req"], None)
+                    where[d["req"]] = "host" if d["kind"] == "store" else "device"
         elif kind == "tier_read":
             c = flight.get(e["req"])
-            found.append(
-                _finding(
-                    e["step"],
-                    "read_in_flight",
-                    f"request {e['req']} computed on its restored blocks {e['blocks'][:8]} at "
-                    f"step {e['step']}, before their copy from the host tier (issued at step "
-                    f"{e['issued']}) completed",
-                    req=e["req"],
-                    blocks=e["blocks"],
-                    issued=e["issued"],
-                    restoring=c is not None,
-                )
-            )
+            # by the landings: the blocks read that had not landed (the engine's word, without
+            # a record of the copy)
+            left = c["left"] if c is not None and c["kind"] == "restore" else None
+            blocks = [b for b in e["blocks"] if left is None or b in left]
+            if blocks:
+                found.append(_read(e, blocks, c is not None))
         elif kind == "snapshot" and "host_blocks" in e:
             checked += 1
             found += _tiers(e, flight, where)
     return judged_result("offload", _first_each(found), checked)
+
+
+def _blocks(d: dict, at: int) -> set[int]:
+    """A copy's device blocks: pairs[at] (a store's pairs are (block, slot), a restore's (slot,
+    block))."""
+    return {p[at] for p in d["pairs"]}
+
+
+def _read(e: dict, blocks: list[int], restoring: bool) -> Finding:
+    return _finding(
+        e["step"],
+        "read_in_flight",
+        f"request {e['req']} computed on its restored blocks {blocks[:8]} at step {e['step']}, "
+        f"before their copy from the host tier (issued at step {e['issued']}) landed",
+        req=e["req"],
+        blocks=blocks,
+        issued=e["issued"],
+        restoring=restoring,
+    )
 
 
 def _late(step: int, d: dict) -> Finding:
@@ -106,19 +122,25 @@ def _restore_reads(step: int, d: dict, stored: dict) -> list[Finding]:
 
 
 def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Finding]:
+    """Blocks of a copy landed: each against what its issue read (its pair's CRC there)."""
     req, out = d["req"], []
     if issued is None:
         return []
+    at = {tuple(p): c for p, c in zip(issued["pairs"], issued["crcs"])}
+    mine = [(tuple(p), c) for p, c in zip(d["pairs"], d["crcs"]) if tuple(p) in at]
+    issued["left"] -= {p[0] if d["kind"] == "store" else p[1] for p, _ in mine}
     if d["kind"] == "store":
-        stored[req] = {s: c for (_, s), c in zip(d["pairs"], issued["crcs"])}
-        bad = [b for (b, _), c, h in zip(d["pairs"], d["crcs"], issued["crcs"]) if c != h]
+        if not issued.get("began"):  # its first blocks landed: the host copy is this store's
+            issued["began"], stored[req] = True, {}
+        stored[req].update({s: at[(b, s)] for (b, s), _ in mine})
+        bad = [b for (b, s), c in mine if c != at[(b, s)]]
         if bad:
             out.append(
                 _finding(
                     step,
                     "store_content",
                     f"request {req}: the host copy of its blocks {bad[:8]} differs from what "
-                    f"the device blocks held when the store completed (issued at step "
+                    f"the device blocks held when their copy completed (issued at step "
                     f"{issued['step']}): read before the compute writing them completed, or a "
                     "stale host copy taken as current",
                     req=req,
@@ -127,7 +149,7 @@ def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Findi
                 )
             )
     else:
-        bad = [b for (_, b), c, h in zip(d["pairs"], d["crcs"], issued["crcs"]) if c != h]
+        bad = [b for (s, b), c in mine if c != at[(s, b)]]
         if bad:
             out.append(
                 _finding(
@@ -189,7 +211,7 @@ def _tiers(e: dict, flight: dict, where: dict) -> list[Finding]:
     for req, c in flight.items():
         if c["kind"] != "store":
             continue
-        mine = {b for b, _ in c["pairs"]}
+        mine = c["left"]  # its blocks not landed yet
         for other, blocks in devices.items():
             taken = sorted(mine & set(blocks)) if other != req else []
             if taken:

@@ -267,6 +267,13 @@ class LiveRun:
                 return "shared"
         if seq.state is State.WAITING and seq.id in self.engine.scheduler.loading:
             return "loading"  # waiting, holding the blocks its KV lands in
+        tier = self.engine.tier
+        if (
+            seq.tier == "restoring"
+            and tier is not None
+            and getattr(tier.copies.get(req), "done", 0)
+        ):
+            return "landing"  # restoring, some of its blocks landed (a host tier's bandwidth)
         return seq.phase
 
     def _waits(self, a) -> bool | None:
@@ -365,7 +372,7 @@ class LiveRun:
                         "e": "cancel",
                         "step": step,
                         "req": a.req,
-                        "phase": before if phase in ("shared", "loading") else phase,
+                        "phase": before if phase in ("shared", "loading", "landing") else phase,
                         "shared": phase == "shared",
                         "blocks": blocks,
                         "origin": a.origin,
