@@ -38,7 +38,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.sequence import State
@@ -49,27 +49,33 @@ if TYPE_CHECKING:  # the harness's events import this module: a command starts w
 Why = Literal["preempt", "cold"]
 
 
-class OffloadStore(TypedDict):
-    """A store issued: device block -> host slot, read now, completing at `due`."""
-
+class _Store(TypedDict):
     req: str
     why: Why
     pairs: list[list[int]]  # [device block, host slot] in logical order
     due: int
     crcs: list[int]  # each host copy as read (every rank's, chained)
     fenced: bool  # it waited for the step in flight that wrote the blocks (async scheduling)
-    dues: NotRequired[list[int]]  # with a bandwidth: each block's due step (`due`: the last's)
 
 
-class OffloadRestore(TypedDict):
-    """A restore issued: host slot -> new device block, written when it completes at `due`."""
+class OffloadStore(_Store, total=False):
+    """A store issued: device block -> host slot, read now, completing at `due`."""
 
+    dues: list[int]  # with a bandwidth: each block's due step (`due`: the last's)
+
+
+class _Restore(TypedDict):
     req: str
     pairs: list[list[int]]  # [host slot, device block]
     due: int
     crcs: list[int]  # each host slot's content now
     flipped: bool  # the table named the new blocks to the kernels before the copy completed
-    dues: NotRequired[list[int]]  # with a bandwidth: each block's due step (`due`: the last's)
+
+
+class OffloadRestore(_Restore, total=False):
+    """A restore issued: host slot -> new device block, written when it lands at `due`."""
+
+    dues: list[int]  # with a bandwidth: each block's due step (`due`: the last's)
 
 
 class OffloadLanded(TypedDict):
@@ -107,15 +113,18 @@ class Resume(TypedDict):
     tier: str
 
 
-class OffloadTier(TypedDict):
-    """Occupancy and traffic of the step (device blocks in use, host slots in use, in flight)."""
-
+class _Tier(TypedDict):
     device_used: int
     host_used: int
     in_flight: int  # sequences with a copy in flight
     stored: int  # blocks whose store completed this step
     restored: int  # ... whose restore completed
-    blocks_in_flight: NotRequired[int]  # with a bandwidth: blocks issued, not landed
+
+
+class OffloadTier(_Tier, total=False):
+    """Occupancy and traffic of the step (device blocks in use, host slots in use, in flight)."""
+
+    blocks_in_flight: int  # with a bandwidth: blocks issued, not landed
 
 
 @dataclass(kw_only=True)
@@ -128,6 +137,9 @@ class Copy:
     done: int = 0  # blocks landed (the first `done`)
     flip: bool = False  # (seam restore_flip, with a bandwidth) the table flips at a first landing
     marks: list = field(default_factory=list)  # CUDA: each block's event on the side stream
+    # a restore: each landed block's host copy as it was read (logical block -> per rank), kept
+    # valid once the copy completed
+    read: dict[int, list] = field(default_factory=dict)
 
     @property
     def due(self) -> int:
@@ -176,19 +188,24 @@ class HostTier:
             side = SideStream(device_pools[0].device, counters)
         return cls(pools=pools, latency=latency, bandwidth=bandwidth, side=side)
 
-    def book(self, n: int, start: int) -> list[int]:
+    def book(self, n: int, start: int, now: int, skip: set | None = None) -> list[int]:
         """n blocks' due steps from `start`: unlimited, all at start; else each the earliest
-        step with bandwidth left after the blocks booked before it (first in, first out). A
-        copy completed early (the engine waited for it) keeps its bookings: no later copy
+        step with bandwidth left after the blocks booked before it (first in, first out), and
+        a block not copied (skip: its host copy kept) due with the block before it (or `now`).
+        A copy completed early (the engine waited for it) keeps its bookings: no later copy
         overtakes an earlier one."""
         if not self.bandwidth:
             return [start] * n
-        dues, s = [], start
-        for _ in range(n):
+        dues, s, prev = [], start, now
+        for i in range(n):
+            if skip and i in skip:
+                dues.append(prev)
+                continue
             while self.booked.get(s, 0) >= self.bandwidth:
                 s += 1
             self.booked[s] = self.booked.get(s, 0) + 1
             dues.append(s)
+            prev = s
         return dues
 
 
@@ -224,8 +241,9 @@ class TierSteps:
             return False
         bs = self.bm.block_size
         kept = tier.kept.pop(seq.id, {})  # still valid on the host: not copied again
+        n = len(pairs)
         dues = (
-            [step] * len(pairs) if why == "preempt" else tier.book(len(pairs), step + tier.latency)
+            [step] * n if why == "preempt" else tier.book(n, step + tier.latency, step, set(kept))
         )
         c = Copy(kind="store", req=seq.id, pairs=pairs, issued=step, dues=dues)
         if tier.side is not None:  # CUDA: on the side stream, after the step's writes unless early
@@ -258,7 +276,7 @@ class TierSteps:
             ev["dues"] = dues
         self.counters["offload_stores"] += 1
         self.seams.on_event("offload_store", dict(ev))
-        if c.due <= step:
+        if c.dues[0] <= step:  # (a preemption's, or blocks whose host copy was kept)
             self._tier_land(c)
         return True
 
@@ -272,7 +290,7 @@ class TierSteps:
             self.table.drop(seq.id)
             return False
         self.table.sync(seq.id)
-        dues = tier.book(len(pairs), step + tier.latency)
+        dues = tier.book(len(pairs), step + tier.latency, step)
         c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues)
         tier.copies[seq.id] = c
         if tier.side is not None:  # CUDA: on the side stream now, each block's event awaited
@@ -316,11 +334,10 @@ class TierSteps:
                 for dev, host in zip(self.kv_pools, tier.pools):
                     for s, b in part:
                         dev[:, :, b] = host[:, :, s]
+            for i in range(first, k):
+                c.read[i] = [h[:, :, c.pairs[i][0]].clone() for h in tier.pools]
             if done:
-                kept = {
-                    i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)
-                }
-                tier.kept[c.req] = kept
+                tier.kept[c.req] = c.read
         written = [b for b, _ in part] if c.kind == "store" else [b for _, b in part]
         ev = OffloadLanded(
             req=c.req,

@@ -13,7 +13,8 @@ request (engine/inflight.py). Variants, by the exit that frees too early:
             to the request the preemption made room for (vllm-ascend#14055, vllm#45357)
   load_abort  (a host tier, `[engine.offload]`) an abort while an asynchronous restore from the
             host tier is in flight frees the blocks the load still writes (vLLM's scheduler
-            `finish_requests` while WAITING_FOR_REMOTE_KVS, fixed by vllm#32255)
+            `finish_requests` while WAITING_FOR_REMOTE_KVS, fixed by vllm#32255); with a copy
+            bandwidth the abort comes once the load partly landed, the rest landing late
   staging   the one pinned staging buffer is restaged for step N+1 while step N's non-blocking
             table copy still reads it, so a device table mixes two steps (the class of
             LMCache#4830 and cudf#22284: a pinned source reused under an async copy); the fix
@@ -307,6 +308,9 @@ class AsyncFree(Fault):
         victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s}
         if checker == "offload" and kind == "landed_after_free":
             return "cause" if ev.get("req") in writers else None
+        if checker == "offload" and kind == "store_content":  # a holder's store, written over
+            hit = ev.get("req") in victims and bool(set(ev.get("blocks") or ()) & blocks)
+            return "consequence" if hit else None
         if checker == "table_integrity" and kind == "foreign_write":
             named = set(ev.get("blocks") or ())
             return "cause" if ev.get("req") in writers and named and named <= blocks else None
