@@ -9,7 +9,8 @@ back asynchronously, and the copies are not ordered with the compute or the tabl
                         restored request computes on it.
   restore_race          KV restored from the CPU copy corrupted under load (vLLM #45704, #31210,
                         Dynamo #5068): the table flips to the restored blocks, and the request
-                        computes, before the host-to-device copy completed.
+                        computes, before the host-to-device copy completed (with a copy
+                        bandwidth: once its first block landed, before the last).
   stale_host            a restored request's host copy is kept as valid (write-back avoidance, as
                         SGLang's hierarchical cache keeps host copies) and the block is written
                         again (its last, partial block grows) without the copy being marked
