@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.sequence import State
@@ -62,6 +62,7 @@ class OffloadRestore(TypedDict):
     due: int
     crcs: list[int]  # each host slot's content now
     flipped: bool  # the table named the new blocks to the kernels before the copy completed
+    hit: NotRequired[bool]  # an admission's prefix hit found on the host tier alone
 
 
 class OffloadLanded(TypedDict):
@@ -115,6 +116,7 @@ class Copy:
     pairs: list[tuple[int, int]]
     issued: int
     due: int
+    hit: bool = False  # a prefix hit's blocks loaded (the sequence holds its other blocks)
 
 
 @dataclass(kw_only=True)
@@ -233,6 +235,34 @@ class TierSteps:
         self.seams.on_event("offload_restore", dict(ev))
         return True
 
+    def tier_hits(self, seq) -> int:
+        """Right after seq's admission: the blocks of its prefix hit found on the host tier alone
+        (offload_hits) are copied in, and it waits, holding its blocks, until they land. Returns
+        the steps it waits (0: no such hit, or (seam restore_flip) it runs at once)."""
+        if "prefix_cache" not in self.capabilities:
+            return 0
+        pairs = self.bm.offload_hits(seq.id)
+        if not pairs:
+            return 0
+        tier, step = self.tier, self.step_count
+        due = step + tier.latency
+        c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, due=due, hit=True)
+        tier.copies[seq.id] = c
+        tier.tiers[seq.id] = [["flight", b, s] for s, b in pairs]
+        flipped = bool(self.seams.restore_flip(seq))
+        seq.tier = "device" if flipped else "restoring"
+        ev = OffloadRestore(
+            req=seq.id,
+            pairs=[[s, b] for s, b in pairs],
+            due=due,
+            crcs=[crc(tier.pools, s) for s, _ in pairs],
+            flipped=flipped,
+            hit=True,
+        )
+        self.counters["offload_hit_loads"] += 1
+        self.seams.on_event("offload_restore", dict(ev))
+        return 0 if flipped else tier.latency
+
     def _tier_land(self, c: Copy) -> None:
         """c completed: a restore writes the device blocks; the manager is told (offload_done)."""
         tier, seq = self.tier, self.seqs[c.req]
@@ -240,8 +270,9 @@ class TierSteps:
             for dev, host in zip(self.kv_pools, tier.pools):
                 for s, b in c.pairs:
                     dev[:, :, b] = host[:, :, s]
-            kept = {i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)}
-            tier.kept[c.req] = kept
+            if not c.hit:  # its own host copy, kept valid (a hit's slots are the cache's)
+                kept = {i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)}
+                tier.kept[c.req] = kept
         written = [b for b, _ in c.pairs] if c.kind == "store" else [b for _, b in c.pairs]
         ev = OffloadLanded(
             req=c.req,

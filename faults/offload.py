@@ -250,4 +250,13 @@ class Offload(Fault):
             return "cause" if kind in ("tier_map", "restore_content") and mine else None
         if finding.get("checker") == "oracle_divergence" and kind == "divergence":
             return "consequence" if ev.get("req") in reqs else None
+        if finding.get("checker") == "kv_reads":  # the writer record (a prefix cache's runs)
+            if kind in ("wrong_read", "unwritten_read") and ev.get("req") in reqs:
+                return "cause"  # the request that computed on what the copy had not brought
+            # a block the late copy landed over, served on (a prefix hit), or KV computed from it
+            raced = [x for x in truth.get("raced", []) if x["step"] <= s]
+            over = ev.get("block") in {b for x in raced for b in x["blocks"]}
+            return "consequence" if ev.get("origin") in reqs or over else None
+        if finding.get("checker") == "prefix_cache" and kind == "cache_content":
+            return "consequence" if set(ev.get("writers") or ()) & reqs else None
         return None
