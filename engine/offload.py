@@ -271,8 +271,9 @@ class TierSteps:
                 for s, b in c.pairs:
                     dev[:, :, b] = host[:, :, s]
             if not c.hit:  # its own host copy, kept valid (a hit's slots are the cache's)
-                kept = {i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)}
-                tier.kept[c.req] = kept
+                tier.kept[c.req] = {
+                    i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)
+                }
         written = [b for b, _ in c.pairs] if c.kind == "store" else [b for _, b in c.pairs]
         ev = OffloadLanded(
             req=c.req,

@@ -48,14 +48,15 @@ def check_offload(events: list[dict]) -> CheckResult:
             d, step = e["data"], e["step"]
             if e["kind"] == "offload_store":
                 mine = {b for b, _ in d["pairs"]}
-                before = {(q, b) for q, bs in held.items() if q != d["req"] for b in bs if b in mine}
+                before = {(q, b) for q, bs in held.items() if q != d["req"] for b in mine & set(bs)}
                 flight[d["req"]] = {**d, "kind": "store", "step": step, "shared": before}
             elif e["kind"] == "offload_late":
                 flight.pop(d["req"], None)
                 found.append(_late(step, d))
             elif e["kind"] == "offload_restore":
                 flight[d["req"]] = {**d, "kind": "restore", "step": step}
-                found += _restore_reads(step, d, slots if d.get("hit") else stored.get(d["req"], {}))
+                was = slots if d.get("hit") else stored.get(d["req"], {})  # a hit: the cache's
+                found += _restore_reads(step, d, was)
             else:
                 issued = flight.pop(d["req"], None)
                 found += _landed(step, d, issued, stored)

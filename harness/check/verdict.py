@@ -87,7 +87,8 @@ def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
     for d, e in sorted(zip(dicts, out), key=lambda x: x[0]["step"]):
         ev = d.get("evidence") or {}
         if d["checker"] == "kv_reads" and not e and ev.get("origin"):
-            names = {n for step, ex in reads.get(ev["origin"], ()) if step <= d["step"] for n, _ in ex}
+            took = reads.get(ev["origin"], ())
+            names = {n for step, ex in took if step <= d["step"] for n, _ in ex}
             if names:
                 e.extend((n, "consequence") for n in sorted(names))
                 reads.setdefault(ev.get("req"), []).append((d["step"], e))

@@ -40,9 +40,7 @@ class TierRecord:
                     rows = mine.get(i, {}).get(r) if i in kept else None
                     host[s] = rows if rows is not None else rec.rows(b)
         elif kind == "offload_restore":
-            self.loads[req] = {
-                r: [(b, self._slot(r, s)) for s, b in d["pairs"]] for r in records
-            }
+            self.loads[req] = {r: [(b, self._slot(r, s)) for s, b in d["pairs"]] for r in records}
             if d.get("hit"):
                 self.hits.add(req)
                 self.kv.hits.setdefault(req, set()).update(b for _, b in d["pairs"])
