@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from kvchaos.engine.errors import OutOfBlocks
 from kvchaos.engine.sequence import State
@@ -54,7 +54,7 @@ class OffloadStore(TypedDict):
     fenced: bool  # it waited for the step in flight that wrote the blocks (async scheduling)
 
 
-class OffloadRestore(TypedDict):
+class _OffloadRestore(TypedDict):
     """A restore issued: host slot -> new device block, written when it completes at `due`."""
 
     req: str
@@ -62,7 +62,10 @@ class OffloadRestore(TypedDict):
     due: int
     crcs: list[int]  # each host slot's content now
     flipped: bool  # the table named the new blocks to the kernels before the copy completed
-    hit: NotRequired[bool]  # an admission's prefix hit found on the host tier alone
+
+
+class OffloadRestore(_OffloadRestore, total=False):
+    hit: bool  # an admission's prefix hit found on the host tier alone (offload_hits)
 
 
 class OffloadLanded(TypedDict):
