@@ -168,6 +168,24 @@ class PrefixHostTier:
             if s not in given:
                 self.host.free(s)
 
+    def check_host(self) -> None:
+        """Raise AssertionError naming the first broken invariant (H1, H2; the pool's P1-P4)."""
+        if self.host is None:
+            return
+        self.host.check()
+        held: dict[int, int] = {}
+        for slots in self.host_slots.values():
+            for s in slots:
+                held[s] = held.get(s, 0) + 1
+        given = {s for v in self._freed_early.values() for s in v}
+        for s, r in enumerate(self.host.ref):
+            if s not in given and r != held.get(s, 0):
+                raise AssertionError(f"H1: host slot {s} ref {r}, held by {held.get(s, 0)}")
+        for q in self.host_slots:
+            kind = self.copying.get(q)
+            if (q in self.blocks) != (kind in ("load", "restore", "store")):
+                raise AssertionError(f"H2: {q} holds host slots, device blocks {q in self.blocks}")
+
     def _host_snapshot(self) -> dict:
         if self.host is None:
             return {}

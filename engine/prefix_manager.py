@@ -281,3 +281,14 @@ class PrefixCachingManager(PrefixHostTier):
                 m = memo[b] = (k, toks, entry)
             out.append(m[2])
         return out
+
+
+class HostTierPrefixCachingManager(PrefixCachingManager):
+    """The prefix-caching reference with a host tier of twice its device blocks ("offload"):
+    what conformance (`--block-manager kvchaos.engine.prefix_manager:HostTierPrefixCachingManager`)
+    drives the tier on."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int = 0, max_blocks_per_seq: int = 0
+    ) -> None:
+        super().__init__(num_blocks, block_size, host_blocks=2 * num_blocks)
