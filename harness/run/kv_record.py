@@ -251,6 +251,15 @@ class RankRecords:
     def on_batch(self, rank: int, reads: list, writes: list) -> None:
         self.pending[rank] = (reads, writes)
 
+    def on_engine(self, kind: str, data: dict, step: int, tokens_of) -> None:
+        """The engine's copies and late writes (events cow, cow_landed, async_landed)."""
+        if kind == "cow":
+            self.copy(data["copies"], data.get("late_ranks", ()))
+        elif kind == "cow_landed":
+            self.copy_on(data["rank"], data["copies"])
+        elif kind == "async_landed":
+            self.landed(data["req"], data["writes"], step, tokens_of)
+
     def copy(self, pairs, late=()) -> None:
         """Copy-on-write on every rank but the `late` ones (their copies land later: copy_on);
         a rank that skips it keeps a record of its own from here."""

@@ -232,21 +232,13 @@ class LiveRun:
 
     def _engine_event(self, kind: str, data: dict) -> None:
         if self.kv is not None:  # copies reach the record before the step's writes
-            if kind == "cow":
-                self.kv.copy(data["copies"], data.get("late_ranks", ()))
-            elif kind == "cow_landed":
-                self.kv.copy_on(data["rank"], data["copies"])
-            elif kind in TIER_KINDS and self.kv_tier is not None:
+            seqs, step = self.engine.seqs, self.engine.step_count
+            self.kv.on_engine(kind, data, step, lambda q: seqs[q].tokens)
+            if kind in TIER_KINDS and self.kv_tier is not None:
                 self.kv_tier.on(kind, data)
-            elif kind == "async_landed":
-                tokens = self.engine.seqs
-                self.kv.landed(
-                    data["req"], data["writes"], self.engine.step_count, lambda q: tokens[q].tokens
-                )
             elif kind == "hit":
                 self.kv.hit(data["req"], data["blocks"])
-                tokens = self.engine.seqs[data["req"]].tokens
-                self.cache_watch.hit(self.engine.step_count, data["req"], tokens, data["blocks"])
+                self.cache_watch.hit(step, data["req"], seqs[data["req"]].tokens, data["blocks"])
         self.h.append({"e": "engine", "step": self.engine.step_count, "kind": kind, "data": data})
 
     def _check_reads(self, step: int) -> None:
