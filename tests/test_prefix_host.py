@@ -167,3 +167,12 @@ def test_a_poisoned_read_is_its_origins_faults_consequence(monkeypatch):
     assert got[0] == [("offload", "cause")]
     assert got[1] == got[2] == [("offload", "consequence")]
     assert got[3] == []  # its origin read wrongly only after it: not its consequence
+
+
+def test_host_hits_save_prefill_the_run_without_the_tier_computes():
+    from kvchaos.harness.bench.offload_step import hit_saving
+
+    out = hit_saving(seed=1)
+    assert out["with_tier_verdict"] == out["without_tier_verdict"] == "PASS"
+    assert out["hit_loaded_blocks"] > 0
+    assert out["with_tier_prefill_tokens"] < out["without_tier_prefill_tokens"]
