@@ -148,6 +148,7 @@ ANSWERS = {
     "release": _check_release,
     "offload_store": _check_pairs,
     "offload_restore": _check_pairs,
+    "offload_hits": _check_pairs,
 }
 
 
@@ -238,6 +239,8 @@ class Boundary:
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "in_progress", None)  # (call, args) while a call runs
         tier = OFFLOAD_CALLS if "offload" in capabilities(manager) else ()
+        if tier and "prefix_cache" in capabilities(manager):
+            tier += ("offload_hits",)  # a prefix hit on the host tier alone
         counted = CALLS + tier
         object.__setattr__(self, "calls", dict.fromkeys(counted, 0))  # calls made, by name
         object.__setattr__(self, "refusals", 0)

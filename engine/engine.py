@@ -55,12 +55,12 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
         mc, cc = config.model, config.cache
         self.device = torch.device(config.device)
         self.model = Model(mc, config.seed, self.device)
+        host = {"host_blocks": config.offload.host_blocks} if config.offload else {}
         if block_manager is not None:
             manager = block_manager
         elif cc.prefix_caching:
-            manager = PrefixCachingManager(cc.num_blocks, cc.block_size)
+            manager = PrefixCachingManager(cc.num_blocks, cc.block_size, **host)
         else:
-            host = {"host_blocks": config.offload.host_blocks} if config.offload else {}
             manager = BlockManager(
                 cc.num_blocks, cc.block_size, cc.max_num_seqs, cc.max_blocks_per_seq, **host
             )
@@ -134,6 +134,8 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
             self.counters.update(
                 offload_stores=0, offload_restores=0, offload_fences=0, offload_refused=0
             )
+            if "prefix_cache" in self.capabilities:  # a prefix hit on the host tier alone
+                self.counters["offload_hit_loads"] = 0
             oc = config.offload  # (on CUDA the side stream's counts join the counters)
             self.tier = HostTier.build(
                 self.kv_pools,
@@ -301,6 +303,10 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
         if answered:
             bs = self.bm.block_size
             blocks = list(self.bm.block_ids(seq.id)[: -(-used // bs)])
+            c = self.tier.copies.get(seq.id) if self.tier is not None else None
+            if c is not None:  # on the host tier alone: the copy in (offload_restore) names them
+                loading = {b for _, b in c.pairs}
+                blocks = [b for b in blocks if b not in loading]
             hit = {"req": seq.id, "known": known, "answered": answered, "used": used}
             self.seams.on_event("hit", {**hit, "capped": answered > used, "blocks": blocks})
 

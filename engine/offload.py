@@ -76,6 +76,7 @@ class OffloadRestore(_Restore, total=False):
     """A restore issued: host slot -> new device block, written when it lands at `due`."""
 
     dues: list[int]  # with a bandwidth: each block's due step (`due`: the last's)
+    hit: bool  # an admission's prefix hit found on the host tier alone (offload_hits)
 
 
 class OffloadLanded(TypedDict):
@@ -140,6 +141,7 @@ class Copy:
     # a restore: each landed block's host copy as it was read (logical block -> per rank), kept
     # valid once the copy completed
     read: dict[int, list] = field(default_factory=dict)
+    hit: bool = False  # a prefix hit's blocks loaded (the sequence holds its other blocks)
 
     @property
     def due(self) -> int:
@@ -314,6 +316,39 @@ class TierSteps:
         self.seams.on_event("offload_restore", dict(ev))
         return True
 
+    def tier_hits(self, seq) -> int:
+        """Right after seq's admission: the blocks of its prefix hit found on the host tier alone
+        (offload_hits) are copied in, and it waits, holding its blocks, until they land. Returns
+        the steps it waits (0: no such hit, or (seam restore_flip) it runs at once)."""
+        if "prefix_cache" not in self.capabilities:
+            return 0
+        pairs = self.bm.offload_hits(seq.id)
+        if not pairs:
+            return 0
+        tier, step = self.tier, self.step_count
+        dues = tier.book(len(pairs), step + tier.latency, step)
+        c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues, hit=True)
+        tier.copies[seq.id] = c
+        if tier.side is not None:  # CUDA: on the side stream now, each block's event awaited
+            c.marks = tier.side.restore(pairs, self.kv_pools, tier.pools)
+        tier.tiers[seq.id] = [["flight", b, s] for s, b in pairs]
+        flipped = bool(self.seams.restore_flip(seq))
+        c.flip = flipped and bool(tier.bandwidth)  # (as a restore's: at its first landing)
+        seq.tier = "device" if flipped and not c.flip else "restoring"
+        ev = OffloadRestore(
+            req=seq.id,
+            pairs=[[s, b] for s, b in pairs],
+            due=c.due,
+            crcs=[crc(tier.pools, s) for s, _ in pairs],
+            flipped=flipped,
+            hit=True,
+        )
+        if tier.bandwidth:
+            ev["dues"] = dues
+        self.counters["offload_hit_loads"] += 1
+        self.seams.on_event("offload_restore", dict(ev))
+        return 0 if flipped else c.due - step  # (the scheduler waits while it is restoring)
+
     def _tier_land(self, c: Copy, every: bool = False) -> None:
         """c's blocks due by this step land, in order (every: all those left, the engine waits
         for the copy): a restore writes their device blocks, the tier map names their tier. Once
@@ -334,9 +369,9 @@ class TierSteps:
                 for dev, host in zip(self.kv_pools, tier.pools):
                     for s, b in part:
                         dev[:, :, b] = host[:, :, s]
-            for i in range(first, k):
+            for i in range(first, k):  # (a hit's slots are the cache's: none kept)
                 c.read[i] = [h[:, :, c.pairs[i][0]].clone() for h in tier.pools]
-            if done:
+            if done and not c.hit:  # its own host copy, kept valid
                 tier.kept[c.req] = c.read
         written = [b for b, _ in part] if c.kind == "store" else [b for _, b in part]
         ev = OffloadLanded(

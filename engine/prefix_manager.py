@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.engine.errors import OutOfBlocks
+from kvchaos.engine.prefix_host import PrefixHostTier
 from kvchaos.engine.protocols import Reason, Snapshot
 
 
@@ -22,7 +23,7 @@ def _key_text(k) -> str | None:
     return None if k is None else (k.hex() if isinstance(k, bytes) else str(k))
 
 
-class PrefixCachingManager:
+class PrefixCachingManager(PrefixHostTier):
     kvchaos_protocol = 2
     capabilities = frozenset(
         {"fork", "seq_tokens", "prefix_cache", "cache_state", "estimates", "append_decode"}
@@ -38,6 +39,7 @@ class PrefixCachingManager:
         max_blocks_per_seq: int = 0,
         *,
         pool: PrefixBlockPool | None = None,
+        host_blocks: int = 0,
     ):
         self.block_size = block_size
         self.pool = pool or PrefixBlockPool(num_blocks, block_size)
@@ -54,6 +56,7 @@ class PrefixCachingManager:
         # set (a planted leak, faults/refcount_leak.py): release_skips(seq_id, reason, blocks)
         # names the blocks whose reference the release keeps; None costs nothing
         self.release_skips: Callable[[str, str, list], Sequence[int]] | None = None
+        self._init_host(host_blocks)  # a host tier of host_blocks slots ("offload"; prefix_host.py)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -87,7 +90,8 @@ class PrefixCachingManager:
             raise ValueError(f"admit of sequence {seq_id}, which holds blocks")
         pool, bs = self.pool, self.block_size
         hit = pool.match_prefix(token_ids[: max(0, max_computed)])
-        h = len(hit) * bs
+        far = self._host_hit(token_ids, hit, max(0, max_computed)) if self.host else []
+        h = (len(hit) + len(far)) * bs
         total = h + min(num_new_tokens, len(token_ids) - h)
         revived = [b for b in hit if pool.ref[b] == 0]  # a revive takes a queued block
         need = len(revived) + -(-total // bs) - len(hit)
@@ -113,6 +117,8 @@ class PrefixCachingManager:
         blocks = hit + [pool.allocate() for _ in range(-(-total // bs) - len(hit))]
         self.blocks[seq_id], self.tokens[seq_id] = blocks, list(token_ids[:total])
         self.keyed[seq_id] = len(hit)
+        if far:  # found on the host tier alone: copied in before the sequence runs
+            self._take_loads(seq_id, far, blocks, len(hit))
         self.last_key[seq_id] = pool.key[hit[-1]] if hit else None
         if not seams.key_after_compute:
             self.known[seq_id] = list(token_ids)
@@ -224,6 +230,12 @@ class PrefixCachingManager:
         """Any reason frees every block, tail first (the tail is evicted first). Only computed
         blocks are keyed (end_step), so an 'error' release leaves no key over unwritten slots."""
         blocks = self.blocks.pop(seq_id, None)
+        if self.host is not None:
+            stored = blocks is None and seq_id in self.host_slots
+            self._release_host(seq_id)
+            if stored:  # on the host tier alone
+                del self.tokens[seq_id]
+                return True
         if blocks is None:
             return False
         del self.tokens[seq_id], self.keyed[seq_id], self.last_key[seq_id]
@@ -246,9 +258,10 @@ class PrefixCachingManager:
             free=pool.free_order(),
             ref_counts=list(pool.ref),
             seq_blocks={s: list(b) for s, b in self.blocks.items()},
-            seq_tokens={s: len(t) for s, t in self.tokens.items()},
+            seq_tokens={s: len(t) for s, t in self.tokens.items() if s in self.blocks},
             reserved=list(self.reserved_blocks),
             cache=self._cache_entries(),
+            **self._host_snapshot(),
         )
 
     def _cache_entries(self) -> list[dict]:
@@ -268,3 +281,14 @@ class PrefixCachingManager:
                 m = memo[b] = (k, toks, entry)
             out.append(m[2])
         return out
+
+
+class HostTierPrefixCachingManager(PrefixCachingManager):
+    """The prefix-caching reference with a host tier of twice its device blocks ("offload"):
+    what conformance (`--block-manager kvchaos.engine.prefix_manager:HostTierPrefixCachingManager`)
+    drives the tier on."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int = 0, max_blocks_per_seq: int = 0
+    ) -> None:
+        super().__init__(num_blocks, block_size, host_blocks=2 * num_blocks)

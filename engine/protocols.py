@@ -51,6 +51,8 @@ class Snapshot:
     # "offload": each sequence's host slots (stored out, or a copy in flight) and the free ones
     host_blocks: dict[str, list[int]] | None = None
     host_free: list[int] | None = None
+    # ... a host tier that shares slots (a prefix cache on the host): each slot's holders
+    host_ref_counts: list[int] | None = None
 
     def to_dict(self) -> dict:
         # shallow: snapshot() already hands out fresh lists; optional fields only when given

@@ -184,7 +184,7 @@ class Scheduler:
         new row); returns the budget left."""
         for s in [s for s in self.waiting if s.id in self.loading]:
             n, due = self.loading[s.id]
-            if due > self.engine.step_count or n > budget:
+            if due > self.engine.step_count or n > budget or s.tier == "restoring":
                 continue
             self.waiting.remove(s)
             s.state = State.RUNNING
@@ -255,9 +255,11 @@ class Scheduler:
                     h = bm.admit(s.id, known, n, len(known) - 1)
                     have = h + min(n, len(known) - h)  # slots the manager now has
                     s.holds, s.num_computed, s.hit_tokens = True, h, h
+                    # its hit's blocks found on the host tier alone are copied in first
+                    load = engine.tier_hits(s) if engine.tier is not None else 0
                     engine.admitted(s, len(known), h, h)
                     table.sync(s.id)
-                    wait = engine.seams.kv_load_steps(s)
+                    wait = max(engine.seams.kv_load_steps(s), load)
                     if wait > 0:  # its KV lands from elsewhere: it waits, holding the blocks
                         self.loading[s.id] = (have - h, engine.step_count + wait)
                         parked.append(s)

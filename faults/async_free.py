@@ -31,15 +31,14 @@ from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.engine.inflight import holders
 from kvchaos.faults import base
-from kvchaos.faults.base import COUNT, Fault, OneOf, ParamError
+from kvchaos.faults.base import COUNT, Fault, ParamError, Variant
 from kvchaos.faults.offload import no_tier
 from kvchaos.faults.plan import Action
 
-VARIANTS = ("finish", "abort", "preempt", "staging", "load_abort")
 # the exit's seam name
 REASON = {"finish": "finish", "abort": "cancel", "preempt": "preempt", "load_abort": "cancel"}
-TEXT = {  # variant: (root cause, remediation), as an incident quotes them
-    "finish": (
+VARIANTS = {  # as an incident quotes them
+    "finish": Variant(
         "A request finished on step N's output was freed at once, while step N+1, scheduled "
         "asynchronously before that output was known, still wrote its KV: the writes landed "
         "after the manager had taken the blocks back and handed them to another request (vLLM's "
@@ -47,7 +46,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Free a finished request's blocks only after the step that last wrote them has "
         "completed: defer the free to that step's completion, or wait for it (a fence).",
     ),
-    "abort": (
+    "abort": Variant(
         "An aborted request's blocks were freed while an asynchronous write into them (the step "
         "in flight, or a KV load) had not landed: vLLM's scheduler finish_requests on a request "
         "WAITING_FOR_REMOTE_KVS freed blocks the connector was still loading (vllm#32255 "
@@ -55,28 +54,29 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "On abort, free only after every in-flight write into the request's blocks completed "
         "(defer the free to the load's or step's completion).",
     ),
-    "preempt": (
+    "preempt": Variant(
         "A request preempted while the step in flight still wrote its blocks had them freed at "
         "once; the request the preemption made room for was handed them, and the late writes "
         "landed over its KV (vllm-ascend#14055, vllm#45357).",
         "A preemption frees only after the step that last wrote the victim's blocks has "
         "completed: wait for it before handing the blocks out.",
     ),
-    "load_abort": (
-        "A request aborted while its KV was being loaded back from the host tier had its blocks "
-        "freed at once: the load landed after the manager had handed them to another request "
-        "(vLLM's scheduler finish_requests on a request WAITING_FOR_REMOTE_KVS; vllm#32255 "
-        "delays the free).",
-        "On abort, free a request's blocks only after its in-flight load completed (or wait for "
-        "it).",
-    ),
-    "staging": (
+    "staging": Variant(
         "The block table was staged for step N+1 into the one pinned buffer step N's "
         "non-blocking host-to-device copy was still reading: the device table mixed rows of two "
         "steps, and sequences whose rows changed wrote and read KV through the step before's "
         "entries (a pinned source reused under an async copy: LMCache#4830, cudf#22284).",
         "Double-buffer the staging: each step stages into the buffer no copy in flight reads "
         "(or waits for the copy before restaging).",
+    ),
+    "load_abort": Variant(
+        "A request aborted while its KV was being loaded back from the host tier had its blocks "
+        "freed at once: the load landed after the manager had handed them to another request "
+        "(vLLM's scheduler finish_requests on a request WAITING_FOR_REMOTE_KVS; vllm#32255 "
+        "delays the free).",
+        "On abort, free a request's blocks only after its in-flight load completed (or wait for "
+        "it).",
+        detectors=("offload", "oracle_divergence"),  # the tier's load, not a step's
     ),
 }
 
@@ -116,21 +116,8 @@ class AsyncFree(Fault):
     remediation = "Free only after the step that last wrote the blocks has completed."
     defaults = {"variant": "finish", "cancels": 4}
     # cancels: (abort) requests cancelled while decoding, so the step in flight wrote them
-    domains = {"variant": OneOf(VARIANTS), "cancels": COUNT}
-
-    def __init__(self, defect: bool, params: dict, seed: int) -> None:
-        super().__init__(defect, params, seed)
-        self.root_cause, self.remediation = TEXT[self.p["variant"]]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        return f"{cls.name}/{(params or {}).get('variant', cls.defaults['variant'])}"
-
-    @classmethod
-    def detectors_for(cls, params: dict | None = None) -> tuple:
-        if (params or {}).get("variant") == "load_abort":  # the load is the tier's, not a step's
-            return ("offload", "oracle_divergence")
-        return cls.detectors
+    domains = {"cancels": COUNT}
+    variants = VARIANTS
 
     @classmethod
     def check_engine(cls, p: dict, cfg) -> None:

@@ -147,6 +147,16 @@ class Truth(TypedDict):
     touched: Touched
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One of a fault's params.variant choices: the root cause and remediation an incident quotes
+    for it and the checkers expected to catch it; empty (None): the fault's own."""
+
+    root_cause: str = ""
+    remediation: str = ""
+    detectors: tuple[CheckerName, ...] | None = None
+
+
 class Fault:
     name: str = ""
     detectors: tuple[CheckerName, ...] = ()
@@ -156,15 +166,34 @@ class Fault:
     defaults: dict = {}
     domains: dict = {}  # param -> Num / Bool / ListOf: what values it takes (same keys as defaults)
     any_manager = True  # False: it plants in the reference manager only (else not applicable)
+    # params.variant's choices, in order (its domain is built from them; defaults names one)
+    variants: ClassVar[dict[str, Variant]] = {}
+    bare_default = False  # its default variant labelled by the bare name, as recorded before
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
+        if cls.variants:
+            cls.domains = {**cls.domains, "variant": OneOf(tuple(cls.variants))}
         # a fault's author learns at import, not from a KeyError
         if set(cls.domains) != set(cls.defaults):
             raise TypeError(
                 f"fault {cls.name or cls.__name__}: domains {sorted(cls.domains)} "
                 f"must name exactly the params of defaults {sorted(cls.defaults)}"
             )
+        if cls.variants and cls.defaults["variant"] not in cls.variants:
+            raise TypeError(f"fault {cls.name}: default variant {cls.defaults['variant']!r}")
+        if "variants" in cls.__dict__ and "root_cause" not in cls.__dict__:  # its default's text
+            v = cls.variants[cls.defaults["variant"]]
+            cls.root_cause, cls.remediation = v.root_cause, v.remediation
+
+    @classmethod
+    def variant_names(cls) -> tuple[str, ...]:
+        return tuple(cls.variants)
+
+    @classmethod
+    def variant_of(cls, params: dict | None = None) -> str | None:
+        """The variant the params choose (the default where they name none); None: it has none."""
+        return (params or {}).get("variant", cls.defaults["variant"]) if cls.variants else None
 
     @classmethod
     def check_params(cls, params: dict, engine_config=None) -> dict:
@@ -202,16 +231,23 @@ class Fault:
         self.triggered: list[int] = []  # steps at which the trigger was pulled
         self.remediated = 0  # times the engine's remediation acted
         self.touched: dict[str, set] = {"requests": set(), "rows": set(), "blocks": set()}
+        if self.variants:  # the chosen variant's text, where it has its own
+            v = self.variants[self.p["variant"]]
+            self.root_cause = v.root_cause or self.root_cause
+            self.remediation = v.remediation or self.remediation
 
     @classmethod
     def label(cls, params: dict | None = None) -> str:
         """How incidents and the soak name it: its name, with the variant the params choose."""
-        return cls.name
+        v = cls.variant_of(params)
+        bare = v is None or (cls.bare_default and v == cls.defaults["variant"])
+        return cls.name if bare else f"{cls.name}/{v}"
 
     @classmethod
     def detectors_for(cls, params: dict | None = None) -> tuple:
         """The checkers expected to catch the variant the params choose."""
-        return cls.detectors
+        v = cls.variants.get(cls.variant_of(params) or "")
+        return cls.detectors if v is None or v.detectors is None else v.detectors
 
     def shape(self, plan, engine_config) -> None:
         """Add the trigger's requests and cancels to the workload plan."""

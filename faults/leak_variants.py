@@ -33,20 +33,9 @@ the reference prefix pool (PoolSeams.check_before_touch)."""
 
 from __future__ import annotations
 
+from kvchaos.faults.base import Variant
 from kvchaos.faults.plan import Action
 
-VARIANTS = (
-    "any",
-    "prefill",
-    "decode",
-    "shared",
-    "preempted",
-    "retry",
-    "partial",
-    "rate",
-    "waiting",
-    "engine_abort",
-)
 # planted on the reference managers' own seams: not applicable under another manager
 REFERENCE_ONLY = ("preempted", "retry", "partial")
 # its requests hold blocks whose KV lands later: a prefix-caching manager that keys blocks as it
@@ -63,31 +52,32 @@ RAII = (
     "Hold a request's blocks through a handle released on every exit path (a context manager / "
     "try-finally around the request's life, the article's RAII), and make release idempotent."
 )
-TEXT = {  # variant: (root cause, remediation), as an incident quotes them
-    "prefill": (
+VARIANTS = {  # as an incident quotes them (any: the fault's own text)
+    "any": Variant(),
+    "prefill": Variant(
         "A cancel that arrived between two prefill chunks returned before the free: the blocks "
         "reserved for the chunks already computed stayed referenced with no owner "
         "(sgl-project/sglang#1674; the abort window of sgl-project/sglang#12693).",
         RAII,
     ),
-    "decode": (
+    "decode": Variant(
         "The cancel path of a decoding request returned before releasing its blocks: their "
         "reference counts never dropped (sgl-project/sglang#1674).",
         RAII,
     ),
-    "shared": (
+    "shared": Variant(
         "A fork cancelled while it still shared its parent's blocks skipped the free: the shared "
         "blocks kept the child's reference after the parent released them.",
         RAII,
     ),
-    "preempted": (
+    "preempted": Variant(
         "The preemption (recompute) path dropped the request's block list but not the blocks' "
         "reference counts; an abort while the request was preempted found nothing of its own to "
         "free, and the blocks stayed referenced by no one.",
         "Release through the same call on every exit (finish, abort, preempt, error): the block "
         "list and the references go together, and release is idempotent.",
     ),
-    "retry": (
+    "retry": Variant(
         "An admission touched (ref-counted) its prefix-cache hit before checking for room; the "
         "refusal returned without untouching it, so each retry of the waiting request leaked the "
         "hit's references, and its cancel, holding nothing, freed none (vllm-project/vllm#11562, "
@@ -95,19 +85,19 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Check room first and touch the hit only once the admission can no longer fail: a "
         "refusal changes nothing.",
     ),
-    "partial": (
+    "partial": Variant(
         "The abort path dropped the references of the request's private blocks but not of the "
         "blocks it shared (copy-on-write or cache hits): a ref-count test that assumed one holder "
         "(xLLM-AI/xllm#828) left them referenced after every other holder ended.",
         "Drop exactly one reference per block the request held, shared or not, through one "
         "handle released on every exit path (the article's RAII).",
     ),
-    "rate": (
+    "rate": Variant(
         "One cancel path in about twenty skipped the free (a rarely taken exception branch): the "
         "pool lost a few blocks per hundred cancels, the article's 1200 blocks in 3 hours.",
         RAII,
     ),
-    "waiting": (
+    "waiting": Variant(
         "The abort path of a request still in the waiting queue assumed it owned nothing, true "
         "of a request never admitted but not of one admitted and waiting for its KV to land "
         "(a disaggregated decode engine's preallocated blocks): it was removed without "
@@ -116,7 +106,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Release by what the request holds, not by the queue it is in: every exit path, from the "
         "waiting queue too, goes through the one release (the article's RAII).",
     ),
-    "engine_abort": (
+    "engine_abort": Variant(
         "A request whose own work failed inside a step (a sampling error) was ended by the "
         "engine on an error branch that never released its blocks: it finished ahead of the "
         "path that frees, so it leaked its KV (sgl-project/sglang#38352; the article's "

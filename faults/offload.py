@@ -32,11 +32,10 @@ from __future__ import annotations
 from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.faults import base
-from kvchaos.faults.base import Fault, OneOf, ParamError
+from kvchaos.faults.base import Fault, ParamError, Variant
 
-VARIANTS = ("store_before_compute", "restore_race", "stale_host", "host_slot_freed")
-TEXT = {  # variant: (root cause, remediation), as an incident quotes them
-    "store_before_compute": (
+VARIANTS = {  # as an incident quotes them
+    "store_before_compute": Variant(
         "The device-to-host store of a request's blocks was issued while the step still "
         "writing them was in flight: the host copy missed that step's KV, and the request "
         "restored from it computed on KV never written (vLLM's simple KV offload worker, fixed "
@@ -44,7 +43,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Order the store after the compute: wait on an event recorded after the step that last "
         "wrote the blocks (here: the fence before the copy).",
     ),
-    "restore_race": (
+    "restore_race": Variant(
         "A restored request's table named its new device blocks, and it computed on them, "
         "before the host-to-device copy into them completed: it read whatever the blocks held "
         "before, and the late copy then landed over its new KV (vllm#45704, vllm#31210, "
@@ -52,7 +51,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Flip the table (schedule the request) only once the restore's copy completed; track "
         "completion per block.",
     ),
-    "stale_host": (
+    "stale_host": Variant(
         "A restored request's host copy of a block stayed marked valid after the block was "
         "written again (its last block grew): the next store skipped the block as already on "
         "the host, and the request restored from that copy computed on KV older than its own "
@@ -60,7 +59,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Mark a block's host copy stale when the device block is written; a store copies every "
         "block whose host copy is not current.",
     ),
-    "host_slot_freed": (
+    "host_slot_freed": Variant(
         "A completed store returned its host slots to the host pool while the request stored "
         "out still referenced them: another store was handed them and overwrote the copy, and "
         "the request restored from them read another request's KV (the class of vllm#31210).",
@@ -106,16 +105,8 @@ class Offload(Fault):
     root_cause = "A host-tier copy was not ordered with the compute or the table flip."
     remediation = "Order every copy after the compute it reads, and the table flip after the copy."
     defaults = {"variant": "store_before_compute"}
-    domains = {"variant": OneOf(VARIANTS)}
+    variants = VARIANTS
     any_manager = False  # the tier needs the reference's "offload" (the plain manager)
-
-    def __init__(self, defect: bool, params: dict, seed: int) -> None:
-        super().__init__(defect, params, seed)
-        self.root_cause, self.remediation = TEXT[self.p["variant"]]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        return f"{cls.name}/{(params or {}).get('variant', cls.defaults['variant'])}"
 
     @classmethod
     def check_engine(cls, p: dict, cfg) -> None:
@@ -251,4 +242,13 @@ class Offload(Fault):
             return "cause" if kind in ("tier_map", "restore_content") and mine else None
         if finding.get("checker") == "oracle_divergence" and kind == "divergence":
             return "consequence" if ev.get("req") in reqs else None
+        if finding.get("checker") == "kv_reads":  # the writer record (a prefix cache's runs)
+            if kind in ("wrong_read", "unwritten_read") and ev.get("req") in reqs:
+                return "cause"  # the request that computed on what the copy had not brought
+            # a block the late copy landed over, served on (a prefix hit), or KV computed from it
+            raced = [x for x in truth.get("raced", []) if x["step"] <= s]
+            over = ev.get("block") in {b for x in raced for b in x["blocks"]}
+            return "consequence" if ev.get("origin") in reqs or over else None
+        if finding.get("checker") == "prefix_cache" and kind == "cache_content":
+            return "consequence" if set(ev.get("writers") or ()) & reqs else None
         return None

@@ -23,15 +23,8 @@ from __future__ import annotations
 from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.faults import base
-from kvchaos.faults.base import FRACTION, STEP, Fault, Num, OneOf, ParamError
-from kvchaos.faults.ordering_variants import (
-    DEFAULT,
-    DETECTORS,
-    KV_VARIANTS,
-    TEXT,
-    VARIANTS,
-    Triggers,
-)
+from kvchaos.faults.base import FRACTION, STEP, Fault, Num, ParamError
+from kvchaos.faults.ordering_variants import DEFAULT, KV_VARIANTS, VARIANTS, Triggers
 
 
 class StaleStep(TypedDict):
@@ -60,7 +53,6 @@ class OrderingRace(Fault):
     name = "ordering_race"
     detectors = ("cross_rank", "oracle_divergence")
     truth = Truth
-    root_cause, remediation = TEXT[DEFAULT]
     defaults = {
         "lag_rank": 1,
         "lag_steps": 1,
@@ -74,24 +66,12 @@ class OrderingRace(Fault):
         "lag_steps": Num(int, ge=1),
         "probability": FRACTION,
         "from_step": STEP,
-        "variant": OneOf(VARIANTS),
     }
+    variants, bare_default = VARIANTS, True  # its own text: the default's
 
     def __init__(self, defect: bool, params: dict, seed: int) -> None:
         super().__init__(defect, params, seed)
-        v = self.p["variant"]
-        self.root_cause, self.remediation = TEXT[v]
-        self.detectors = DETECTORS[v]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        """The default keeps the bare name (as recorded histories have it); the others carry it."""
-        v = (params or {}).get("variant", DEFAULT)
-        return cls.name if v == DEFAULT else f"{cls.name}/{v}"
-
-    @classmethod
-    def detectors_for(cls, params: dict | None = None) -> tuple:
-        return DETECTORS[(params or {}).get("variant", DEFAULT)]
+        self.detectors = self.detectors_for(self.p)  # its armed event names the variant's
 
     @classmethod
     def check_engine(cls, p, engine_config) -> None:

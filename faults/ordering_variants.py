@@ -21,15 +21,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvchaos.faults.base import CheckerName, Variant
+
 if TYPE_CHECKING:  # the fault registry is imported by commands that start without torch
     import torch
 
-VARIANTS = ("lagged", "torn", "reordered", "cow_lag", "scrambled", "stale_unread")
 DEFAULT = "lagged"
-KV_VARIANTS = ("cow_lag", "scrambled")  # the table in sync: the KV pool is what differs
-_TABLE = ("cross_rank", "oracle_divergence")
-_KV = ("kv_reads", "oracle_divergence")
-DETECTORS = {v: _KV if v in KV_VARIANTS else _TABLE for v in VARIANTS}
+# the table in sync, the KV pool is what differs (the rest: the fault's own detectors)
+_KV: tuple[CheckerName, ...] = ("kv_reads", "oracle_divergence")
 
 # The manager path each variant's trigger needs (a key of results.json["exercised"]): a table
 # that changes (a row gains an entry), a copy-on-write, KV written into blocks, rows freed.
@@ -46,13 +45,13 @@ _SYNC = (
     "Ranks acknowledge the table version before computing (barrier / event sync); a stale "
     "version is refused."
 )
-TEXT = {  # variant: (root cause, remediation)
-    "lagged": (
+VARIANTS = {  # as an incident quotes them; the default (lagged) first
+    "lagged": Variant(
         "A rank computed before its block-table update had landed: no acknowledgement of the "
         "table version before compute, so it read a stale table and used the wrong KV slots.",
         _SYNC,
     ),
-    "torn": (
+    "torn": Variant(
         "A rank applied part of a block-table update (an asynchronous host-to-device copy of the "
         "table overwritten or cut short mid-flight, vllm-ascend#12130, Megatron-LM#5715) and "
         "took the update's version: acknowledging the version alone let it compute on a table "
@@ -60,7 +59,7 @@ TEXT = {  # variant: (root cause, remediation)
         "Ranks acknowledge a checksum of the table with its version; a copy that differs is "
         "re-sent whole (or the step refused) before any rank computes.",
     ),
-    "reordered": (
+    "reordered": Variant(
         "Two block-table updates reached a rank out of order (update N+1 before N, as a worker "
         "received another step's scheduler output in vllm#15332) and the late, older one was "
         "applied over the newer one while the rank kept the newer version number: its version "
@@ -68,29 +67,32 @@ TEXT = {  # variant: (root cause, remediation)
         "Order updates by version: a rank drops an update older than the one it holds, and "
         "acknowledges a checksum of its table with the version, so a stale copy is re-sent.",
     ),
-    "cow_lag": (
+    "cow_lag": Variant(
         "A copy-on-write copy ran late on one rank (a copy kernel on a side stream, or a sync "
         "elided, with no event waited for before the forward: xLLM#1984, ik_llama.cpp#2083): "
         "the table was in sync, the copied block's contents were not, so that rank's heads read "
         "KV never copied there.",
         "Ranks wait for the step's block copies (stream / event sync) before computing, as they "
         "wait for the table version.",
+        detectors=_KV,
     ),
-    "scrambled": (
+    "scrambled": Variant(
         "A rank wrote the tokens of a block in the order they reached it, not by position: its "
         "KV lay in the wrong order within blocks (the field report's 'block 1 written before "
         "block 0'; vllm-ascend#14039 flipped KV block order on a copy), so attention on that "
         "rank's heads read keys and values misplaced.",
         "Every rank maps a token's slot from its position (table[p // block_size] * block_size "
         "+ p % block_size), never from arrival order; allocate, then synchronise, then write.",
+        detectors=_KV,
     ),
-    "stale_unread": (
+    "stale_unread": Variant(
         "A rank computed on a stale table whose differing rows nobody read before the update "
         "landed (freed rows; vllm#42273, vllm#39591: stale entries harmless while every kernel "
         "masks them): the race fired and did no harm this time, latent, not manifest.",
         _SYNC,
     ),
 }
+KV_VARIANTS = tuple(v for v, x in VARIANTS.items() if x.detectors == _KV)
 
 
 class Triggers:

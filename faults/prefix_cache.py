@@ -27,19 +27,18 @@ from typing_extensions import NotRequired, TypedDict
 from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.faults import base
-from kvchaos.faults.base import COUNT, Fault, Num, OneOf, ParamError
+from kvchaos.faults.base import COUNT, Fault, Num, ParamError, Variant
 from kvchaos.faults.plan import Action
 from kvchaos.faults.prefix_kept import KeptEntries
 
-VARIANTS = ("partial_key", "weak_key", "evict_referenced", "stale_revive")
 BAD_ENTRIES = {  # what the pool reports of a cache entry that misnames its block's KV
     "keyed_partial": "keyed before its KV was computed",
     "kept_key": "re-allocated with its key kept, then written over",
     "collided_parent": "keyed after a parent whose key another prefix holds",
 }
 SHARED_BLOCKS = 3  # whole blocks a trigger's reader shares with its source (not partial_key)
-TEXT = {  # variant: (root cause, remediation), as an incident quotes them
-    "partial_key": (
+VARIANTS = {  # as an incident quotes them
+    "partial_key": Variant(
         "A block was keyed (published to the prefix cache) when its slots were reserved, over the "
         "prompt's known tokens, before its KV was computed. A request aborted after a prefill "
         "chunk that ended inside that block left the key over slots never written, and a later "
@@ -47,7 +46,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Key a block only once it is full and its KV computed (after the step: end_step), so an "
         "aborted or failed step leaves no key over unwritten slots.",
     ),
-    "weak_key": (
+    "weak_key": Variant(
         "Blocks were keyed by a weak hash (a token sum, the class of builtin hash() and "
         "Megatron-LM#4158) that collides by construction, and a hit trusted the key without "
         "checking the block's token ids: two different prefixes shared blocks, and the second "
@@ -55,14 +54,14 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Key by a strong chained hash (sha256 in vLLM >= 0.10.2) and verify a hit's stored token "
         "ids and parent key before serving it.",
     ),
-    "evict_referenced": (
+    "evict_referenced": Variant(
         "A cache hit revived a freed block without unlinking it from the free queue: still "
         "counted free while referenced, allocate handed it to another request, which overwrote "
         "the KV the reviver attends to (Avarok-Cybersecurity/atlas#373).",
         "A revive unlinks the block from the free queue (O(1) in an intrusive doubly linked "
         "list, as vLLM's FreeKVCacheBlockQueue), so only blocks with no reference are handed out.",
     ),
-    "stale_revive": (
+    "stale_revive": Variant(
         "allocate re-used an evicted cached block without dropping its prefix-cache entry, and a "
         "hit trusted the key: a later request with that prefix was served the block's new "
         "contents, written by another request (vllm#4761).",
@@ -117,15 +116,8 @@ class PrefixCache(Fault):
     defaults = {"variant": "partial_key", "pairs": 1, "pressure_tokens": 0}
     # pairs: trigger rounds, each after the last; pressure_tokens: what the fillers of
     # evict_referenced / stale_revive allocate (0: num_blocks x block_size, the free queue once)
-    domains = {"variant": OneOf(VARIANTS), "pairs": Num(int, ge=1), "pressure_tokens": COUNT}
-
-    def __init__(self, defect: bool, params: dict, seed: int) -> None:
-        super().__init__(defect, params, seed)
-        self.root_cause, self.remediation = TEXT[self.p["variant"]]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        return f"{cls.name}/{(params or {}).get('variant', cls.defaults['variant'])}"
+    domains = {"pairs": Num(int, ge=1), "pressure_tokens": COUNT}
+    variants = VARIANTS
 
     # -- the trigger --------------------------------------------------------------------
     @classmethod

@@ -12,8 +12,8 @@ from kvchaos.engine.errors import RequestFailed
 from kvchaos.engine.prefix_manager import PrefixCachingManager
 from kvchaos.engine.sequence import State
 from kvchaos.faults import base, leak_variants
-from kvchaos.faults.base import FRACTION, Fault, ListOf, Num, OneOf, ParamError
-from kvchaos.faults.leak_variants import ENGINE_PATH, RATE_STRIDE, TEXT, VARIANTS
+from kvchaos.faults.base import FRACTION, Fault, ListOf, Num, ParamError
+from kvchaos.faults.leak_variants import ENGINE_PATH, RATE_STRIDE, VARIANTS
 from kvchaos.faults.plan import Action
 
 PATHS = ("waiting", "prefill", "decode", "preempted", "shared")
@@ -62,20 +62,13 @@ class RefcountLeak(Fault):
         "cancel_phases": ListOf(PATHS),
         "storm_step": Num(int, ge=1, optional=True),
         "storm_fraction": FRACTION,
-        "variant": OneOf(VARIANTS),
         "cancels": Num(int, ge=1, le=64),  # a variant's trigger rounds
     }  # storm_step None: no storm
+    variants, bare_default = VARIANTS, True
 
     def __init__(self, defect: bool, params: dict, seed: int) -> None:
         super().__init__(defect, params, seed)
         self.schedule: dict[str, int] = {}  # waiting, engine_abort: their requests (shape)
-        if self.p["variant"] in TEXT:
-            self.root_cause, self.remediation = TEXT[self.p["variant"]]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        v = (params or {}).get("variant", "any")
-        return cls.name if v == "any" else f"{cls.name}/{v}"
 
     def describe(self) -> dict:
         d = super().describe()

@@ -43,12 +43,11 @@ from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.engine.staging import StagingBuffer
 from kvchaos.faults import base
-from kvchaos.faults.base import STEP, Fault, Num, OneOf
+from kvchaos.faults.base import STEP, Fault, Num, Variant
 
-VARIANTS = ("ramp", "from_start", "bursts")
 NO_DROP = "this platform cannot drop a buffer's pages (no MADV_DONTNEED)"
-TEXT = {  # variant: (root cause, remediation), as an incident quotes them
-    "ramp": (
+VARIANTS = {  # as an incident quotes them
+    "ramp": Variant(
         "The host staging buffer of the block-table upload was invalidated (a worker fork left "
         "its pinned pages to another process) and the engine kept using it: its pages were no "
         "longer locked, reclaim took more of them each step, and every upload page-faulted them "
@@ -56,7 +55,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "Tag the staging buffer with its owner (pid / generation), check it before every upload, "
         "and re-allocate it (pinned) when it is not this process's.",
     ),
-    "from_start": (
+    "from_start": Variant(
         "The worker was forked after its staging buffer was allocated (memory locks are not "
         "inherited across fork): it served from the first step through pages that were not "
         "locked for it, which the kernel took back, so every table upload page-faulted the "
@@ -65,7 +64,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them
         "cudaHostAlloc; write-combined for a buffer the host only writes), and check its owner "
         "before every upload.",
     ),
-    "bursts": (
+    "bursts": Variant(
         "The staging buffer was pageable (not the process's pinned allocation), so memory "
         "pressure reclaimed its pages from time to time and the uploads after each reclaim "
         "page-faulted the table in again: short bursts of slow steps, a few times the sound "
@@ -133,7 +132,6 @@ class StagingStall(Fault):
     name = "staging_stall"
     detectors = ("latency",)
     truth = Truth
-    root_cause, remediation = TEXT["ramp"]
     # ramp_steps: steps until every page is reclaimed (the ramp's); plateau_us: the ramp's
     # fallback stall per upload once all are, where no page can be dropped; burst_steps of every
     # burst_every steps drop the pages (bursts'). page_bytes: the modelled ramp's page, unused
@@ -153,18 +151,10 @@ class StagingStall(Fault):
         "page_bytes": Num(int, ge=1),
         "ramp_steps": Num(int, ge=1),
         "plateau_us": Num(float, ge=0),
-        "variant": OneOf(VARIANTS),
         "burst_steps": Num(int, ge=1),
         "burst_every": Num(int, ge=1),
     }
-
-    def __init__(self, defect: bool, params: dict, seed: int) -> None:
-        super().__init__(defect, params, seed)
-        self.root_cause, self.remediation = TEXT[self.p["variant"]]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        return f"{cls.name}/{(params or {}).get('variant', cls.defaults['variant'])}"
+    variants = VARIANTS  # its own text: the default's (ramp)
 
     def arm(self, engine, emit) -> None:
         super().arm(engine, emit)

@@ -42,26 +42,16 @@ from typing_extensions import NotRequired
 from kvchaos.engine.block_table import kernel_view
 from kvchaos.faults import base
 from kvchaos.faults import table_overflow_shapes as shapes
-from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num, OneOf, ParamError
+from kvchaos.faults.base import BOOL, COUNT, STEP, Fault, Num, ParamError, Variant
 from kvchaos.faults.plan import Action
 
 REMEDIES = ("overlong_rejected", "table_resizes")  # the engine's answers to an over-long request
-VARIANTS = (
-    "unchecked",
-    "article",
-    "off_by_one",
-    "floor_width",
-    "stride_mismatch",
-    "last_row",
-    "chunked_growth",
-    "slot_past_pool",
-    "kernel_block_size",
-)
 GEOMETRY = ("slot_past_pool", "kernel_block_size")  # the kernels' geometry apart from the manager's
 READ_SIDE = ("stride_mismatch", *GEOMETRY)  # judged from the table as the kernels read it
-DEFAULT = VARIANTS[0]
-TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unchecked: the class's)
-    "article": (
+DEFAULT = "unchecked"
+VARIANTS = {  # as an incident quotes them (unchecked, the default: the class's text)
+    "unchecked": Variant(),
+    "article": Variant(
         "The article's case: with no length check at admission and no bound check on the table "
         "index, a request of width x block_size + 2 tokens (2050 on rows of 128 blocks of 16) "
         "was admitted and its block at index width was written at row * width + width, entry 0 "
@@ -70,7 +60,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unch
         "error, or resize the table in sync (the kernels read the new width); refuse any table "
         "write past a row's width.",
     ),
-    "off_by_one": (
+    "off_by_one": Variant(
         "Admission checked the row's width one block short (the last block's index compared with "
         "> instead of >=): a request needing width + 1 blocks was admitted and, with no bound "
         "check on the table index, its last block spilled into the next row (the allocation past "
@@ -78,14 +68,14 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unch
         "Admission counts ceil(tokens / block_size) blocks and rejects more than the width; the "
         "table refuses a write past a row's width.",
     ),
-    "floor_width": (
+    "floor_width": Variant(
         "The row was sized floor(max_model_len / block_size) while admission let in up to "
         "max_model_len tokens: a request of max_model_len tokens (not a multiple of block_size) "
         "needed one block more than a row holds and spilled it into the next row (vllm#10730's "
         "rows of max_model_len // block_size; vllm#39324).",
         "Size a row cdiv(max_model_len, block_size) blocks, so every admitted request fits.",
     ),
-    "stride_mismatch": (
+    "stride_mismatch": Variant(
         "After the table was resized wider, the kernels kept indexing it with the old row stride "
         "(a stride cached at the first launch): row 0 stayed right, every later row read and "
         "wrote through entries of another row while the host table was correct "
@@ -93,14 +83,14 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unch
         "Pass the table's current row stride to every launch (resize in sync): the kernels read "
         "row r at r * width.",
     ),
-    "last_row": (
+    "last_row": Variant(
         "With no bound check, the over-long request held the table's last row: its spilled "
         "entry fell past the end of the whole buffer, and the kernel read whatever lies there "
         "(vllm#45462: an index past the block table's end).",
         "Check the length at admission (429-style, or resize by policy); refuse any table write "
         "past a row's width, the last row's too.",
     ),
-    "chunked_growth": (
+    "chunked_growth": Variant(
         "Admission counted the blocks of the request's first prefill chunk, not of the whole "
         "request: a prompt longer than a row was admitted, and a later chunk's growth crossed "
         "the row's end mid-chunk, its tail blocks written past the row (vllm#56469; "
@@ -108,7 +98,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unch
         "Admission counts every token of the request; the growth of each chunk is checked "
         "against the row's width before anything is written.",
     ),
-    "slot_past_pool": (
+    "slot_past_pool": Variant(
         "The worker sized the KV pool one block short of the num_blocks the manager hands out (a "
         "block reserved twice, as a null block: kvcached#398): the block the manager handed out "
         "last was past the pool, and the write kernel, with no upper bound on slot = block x "
@@ -117,7 +107,7 @@ TEXT = {  # variant: (root cause, remediation), as an incident quotes them (unch
         "Size the pool from the manager's num_blocks and check it at start (the engine aligns a "
         "pool sized apart from it); bound every slot by num_blocks x block_size in the kernel.",
     ),
-    "kernel_block_size": (
+    "kernel_block_size": Variant(
         "The attention backend's kernels were launched with a block size other than the KV "
         "manager's (twice it): each table entry was read as a kernel block, slot = entry x "
         "kernel block size + offset, so every sequence read and wrote other blocks while the "
@@ -162,21 +152,14 @@ class TableOverflow(Fault):
         "overshoot": Num(float, gt=1),
         "boundary": BOOL,
         "neighbours": COUNT,
-        "variant": OneOf(VARIANTS),
     }
+    variants, bare_default = VARIANTS, True
     # the other variants read at_step and neighbours; article and stride_mismatch long_requests,
     # stride_mismatch overshoot too (table_overflow_shapes.py)
 
     def __init__(self, defect: bool, params: dict, seed: int) -> None:
         super().__init__(defect, params, seed)
         self.variant = self.p["variant"]
-        if self.variant != DEFAULT:
-            self.root_cause, self.remediation = TEXT[self.variant]
-
-    @classmethod
-    def label(cls, params: dict | None = None) -> str:
-        v = (params or {}).get("variant", DEFAULT)
-        return cls.name if v == DEFAULT else f"{cls.name}/{v}"
 
     def describe(self) -> dict:
         d = super().describe()

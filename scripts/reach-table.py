@@ -30,8 +30,7 @@ def variants() -> list[tuple[str, str]]:
     """(fault, variant) for every fault of the registry, in its own order."""
     out = []
     for name, cls in REGISTRY.items():
-        dom = cls.domains.get("variant")
-        out += [(name, v) for v in (dom.choices if dom is not None else ("-",))]
+        out += [(name, v) for v in cls.variant_names() or ("-",)]
     return out
 
 

@@ -16,7 +16,7 @@ import kvchaos
 from kvchaos.engine import EngineConfig
 from kvchaos.engine.inflight import InFlight
 from kvchaos.faults import REGISTRY
-from kvchaos.faults.async_free import VARIANTS, AsyncFree
+from kvchaos.faults.async_free import AsyncFree
 from kvchaos.faults.base import ParamError
 from kvchaos.harness.history.events import ENGINE_DATA, KINDS
 from kvchaos.harness.history.log import deterministic_digest
@@ -31,7 +31,7 @@ SCENARIOS = Path(kvchaos.__file__).parent / "scenarios"
 
 # the variants planted under asynchronous scheduling (load_abort is the host tier's:
 # tests/test_offload.py)
-ASYNC = [v for v in VARIANTS if v != "load_abort"]
+ASYNC = [v for v in AsyncFree.variant_names() if v != "load_abort"]
 
 
 def scenario(variant: str, outcome: str):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 from kvchaos.faults import REGISTRY
-from kvchaos.faults.leak_variants import RATE_STRIDE, VARIANTS
+from kvchaos.faults.leak_variants import RATE_STRIDE
 from kvchaos.harness.check import reach
 from kvchaos.harness.check.reach import REACH as ALL_REACH
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import load_scenario
 
+VARIANTS = REGISTRY["refcount_leak"].variant_names()
 # variant -> the path of results.json["exercised"] its clean trigger must reach (> 0)
 REACH = {v: p for v, p in ALL_REACH["refcount_leak"].items() if v != "any"}
 

@@ -107,10 +107,13 @@ def test_a_seed_gives_the_same_history_with_the_tier_and_async_scheduling():
 
 
 def test_a_manager_without_the_capability_runs_as_without_the_tier():
+    from kvchaos.engine.prefix_manager import PrefixCachingManager
+
     sc = load_scenario("offload-tier-clean")
-    cache = {**sc.engine["cache"], "prefix_caching": True}  # the prefix manager: no "offload"
+    cache = {**sc.engine["cache"], "prefix_caching": True}
     sc = sc.model_copy(update={"engine": {**sc.engine, "cache": cache}})
-    r = run_scenario(sc, 0, report_dir=None)
+    # a user's manager, built as the engine builds one: without host blocks, no "offload"
+    r = run_scenario(sc, 0, report_dir=None, block_manager=PrefixCachingManager)
     assert r.verdict == "PASS", r.summary
     assert not _engine_events(r, "offload_store") and _offload_result(r)["status"] == "not judged"
     assert "offload" in r.results["exercised"]["not_applicable"]
@@ -243,15 +246,19 @@ def test_load_abort_detect_names_the_aborted_load_and_clean_holds():
 def test_the_tier_runs_events_are_as_their_types_say():
     from kvchaos.harness.history.events import ENGINE_DATA, KINDS
 
-    r = run_scenario(load_scenario("async-free-load-abort-detect"), 1, report_dir=None)
     seen = set()
-    for e in r.events:
-        t = KINDS[e["e"]]
-        assert t.__required_keys__ <= set(e) <= t.__required_keys__ | t.__optional_keys__, e
-        if e["e"] == "engine" and e["kind"] in ENGINE_DATA:
-            seen.add(e["kind"])
-            assert set(e["data"]) == set(ENGINE_DATA[e["kind"]].__required_keys__), e
-    assert {"offload_store", "offload_restore", "offload_landed", "offload_late"} <= seen
+    for name in ("async-free-load-abort-detect", "offload-prefix-hit-clean"):
+        r = run_scenario(load_scenario(name), 1, report_dir=None)
+        for e in r.events:
+            t = KINDS[e["e"]]
+            assert t.__required_keys__ <= set(e) <= t.__required_keys__ | t.__optional_keys__, e
+            if e["e"] == "engine" and e["kind"] in ENGINE_DATA:
+                seen.add(e["kind"])
+                t = ENGINE_DATA[e["kind"]]
+                assert t.__required_keys__ <= set(e["data"]), e
+                assert set(e["data"]) <= t.__required_keys__ | t.__optional_keys__, e
+                seen.add("hit") if e["data"].get("hit") else None
+    assert {"offload_store", "offload_restore", "offload_landed", "offload_late", "hit"} <= seen
 
 
 # -- conformance: the offload property ---------------------------------------------------------

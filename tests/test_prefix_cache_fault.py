@@ -15,12 +15,13 @@ from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.faults import REGISTRY, make_fault
 from kvchaos.faults.base import ParamError
 from kvchaos.faults.plan import Plan
-from kvchaos.faults.prefix_cache import VARIANTS, PrefixCache, weak_hash
+from kvchaos.faults.prefix_cache import PrefixCache, weak_hash
 from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import ScenarioError, load_scenario, parse_scenario
 from kvchaos.harness.tools.fingerprint import fingerprints
 
+VARIANTS = PrefixCache.variant_names()
 CFG = EngineConfig(
     max_prefill_tokens=30,
     cache=CacheConfig(

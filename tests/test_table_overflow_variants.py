@@ -13,7 +13,7 @@ import pytest
 from kvchaos.engine import CacheConfig, EngineConfig
 from kvchaos.faults import make_fault
 from kvchaos.faults.base import ParamError
-from kvchaos.faults.table_overflow import DEFAULT, READ_SIDE, VARIANTS, TableOverflow
+from kvchaos.faults.table_overflow import DEFAULT, READ_SIDE, TableOverflow
 from kvchaos.harness.check import reach
 from kvchaos.harness.check.checkers import check_table_integrity
 from kvchaos.harness.check.reach import REACH as ALL_REACH
@@ -21,7 +21,7 @@ from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import load_scenario, parse_scenario
 
-OTHERS = [v for v in VARIANTS if v != DEFAULT]
+OTHERS = [v for v in TableOverflow.variant_names() if v != DEFAULT]
 CFG = EngineConfig(
     max_prefill_tokens=24,
     cache=CacheConfig(block_size=4, num_blocks=128, max_blocks_per_seq=16, max_num_seqs=8),
@@ -217,7 +217,7 @@ def test_the_soak_draws_every_variant_on_an_engine_it_fits():
         if to:
             seen.add(to[0]["params"].get("variant", DEFAULT))
             parse_scenario(d, f"<soak {seed}>")  # its params fit the engine drawn
-    assert seen == set(VARIANTS)
+    assert seen == set(TableOverflow.variant_names())
 
 
 def test_list_names_each_scenario_s_variant(capsys):

@@ -105,7 +105,8 @@ def exercised(events: list[dict]) -> dict:
 
 def offload_paths(events: list[dict], counters: dict) -> dict[str, int]:
     """Stores by cause (cold, preempt), restores, stores that waited for the step in flight,
-    and the peak host slots in use (the tier's own counts and events)."""
+    the peak host slots in use, and prefix hits loaded from the host tier (the tier's own counts
+    and events)."""
     out = {"stores_cold": 0, "stores_preempt": 0, "host_peak": 0}
     for e in events:
         if e.get("e") != "engine":
@@ -116,6 +117,8 @@ def offload_paths(events: list[dict], counters: dict) -> dict[str, int]:
             out["host_peak"] = max(out["host_peak"], e["data"]["host_used"])
     out["restores"] = counters.get("offload_restores", 0)
     out["fences"] = counters.get("offload_fences", 0)
+    if "offload_hit_loads" in counters:  # a prefix cache: hits loaded from the host tier
+        out["hit_loads"] = counters["offload_hit_loads"]
     return out
 
 

@@ -21,6 +21,7 @@ A history without a host tier is not judged."""
 from __future__ import annotations
 
 from kvchaos.harness.check.findings import CheckResult, Finding, judged_result
+from kvchaos.harness.history.cache import apply_cache
 
 KINDS = ("offload_store", "offload_restore", "offload_landed", "offload_late")
 
@@ -35,24 +36,35 @@ def check_offload(events: list[dict]) -> CheckResult:
     found: list[Finding] = []
     checked = 0
     stored: dict[str, dict] = {}  # req -> its last completed store (slot -> crc)
+    slots: dict = {}  # host slot -> crc of the last store completed into it (a hit reads it)
     flight: dict[str, dict] = {}  # req -> the copy in flight (its event data, step)
     where: dict[str, str] = {}  # req -> host (stored out) | device (restored)
+    # the last snapshot's holders and prefix cache: a block shared before its store, or cached
+    # (served by a hit), is not a block handed on before the store completed
+    held: dict[str, list[int]] = {}
+    cache: dict = {}
     for e in events:
         kind = e.get("e")
         if kind == "engine" and e["kind"] in KINDS:
             checked += 1
             d, step = e["data"], e["step"]
             if e["kind"] == "offload_store":
-                flight[d["req"]] = {**d, "kind": "store", "step": step, "left": _blocks(d, 0)}
+                mine = _blocks(d, 0)
+                before = {(q, b) for q, bs in held.items() if q != d["req"] for b in mine & set(bs)}
+                flight[d["req"]] = {**d, "kind": "store", "step": step, "shared": before}
+                flight[d["req"]]["left"] = mine  # its blocks not landed yet
             elif e["kind"] == "offload_late":
                 flight.pop(d["req"], None)
                 found.append(_late(step, d))
             elif e["kind"] == "offload_restore":
                 flight[d["req"]] = {**d, "kind": "restore", "step": step, "left": _blocks(d, 1)}
-                found += _restore_reads(step, d, stored.get(d["req"], {}))
+                was = slots if d.get("hit") else stored.get(d["req"], {})  # a hit: the cache's
+                found += _restore_reads(step, d, was)
             else:
                 issued = flight.get(d["req"])
                 found += _landed(step, d, issued, stored)
+                if issued is not None and d["kind"] == "store":
+                    slots.update(stored[d["req"]])
                 if issued is None or not issued["left"]:  # its last block landed
                     flight.pop(d["req"], None)
                     where[d["req"]] = "host" if d["kind"] == "store" else "device"
@@ -66,7 +78,9 @@ def check_offload(events: list[dict]) -> CheckResult:
                 found.append(_read(e, blocks, c is not None))
         elif kind == "snapshot" and "host_blocks" in e:
             checked += 1
-            found += _tiers(e, flight, where)
+            cache = apply_cache(cache, e)
+            found += _tiers(e, flight, where, {b for b, _ in cache})
+            held = e["seq_blocks"]
     return judged_result("offload", _first_each(found), checked)
 
 
@@ -164,17 +178,22 @@ def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Findi
     return out
 
 
-def _tiers(e: dict, flight: dict, where: dict) -> list[Finding]:
-    """One snapshot's tiers: each host slot held once and not free, a stored sequence on the
-    host alone, a restored one on the device alone, a block being stored held by none else."""
+def _tiers(e: dict, flight: dict, where: dict, cached: set) -> list[Finding]:
+    """One snapshot's tiers: each host slot held once (or, where the host tier shares slots,
+    by as many as its ref count says) and not free, a stored sequence on the host alone, a
+    restored one on the device alone, a block being stored handed to none else."""
     step, host, devices = e["step"], e["host_blocks"], e["seq_blocks"]
     out = []
     owner: dict[int, str] = {}
     free = set(e.get("host_free", ()))
+    refs = e.get("host_ref_counts")
+    holders: dict[int, int] = {}
     for req, slots in sorted(host.items()):
         for s in slots:
             other = owner.setdefault(s, req)
-            if other != req or s in free:
+            holders[s] = holders.get(s, 0) + 1
+            shared = refs is not None and 0 <= s < len(refs) and holders[s] <= refs[s]
+            if other != req and not shared or s in free:
                 why = f"held by {other} too" if other != req else "held and free"
                 out.append(
                     _finding(
@@ -211,9 +230,10 @@ def _tiers(e: dict, flight: dict, where: dict) -> list[Finding]:
     for req, c in flight.items():
         if c["kind"] != "store":
             continue
-        mine = c["left"]  # its blocks not landed yet
+        mine, shared = c["left"] - cached, c.get("shared", ())  # (its blocks not landed yet)
         for other, blocks in devices.items():
-            taken = sorted(mine & set(blocks)) if other != req else []
+            taken = [b for b in sorted(mine & set(blocks)) if (other, b) not in shared]
+            taken = taken if other != req else []
             if taken:
                 out.append(
                     _finding(

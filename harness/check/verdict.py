@@ -81,6 +81,17 @@ def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
         out.append(sorted(((n, h) for n, h in hows if h), key=lambda x: x[1] != "cause"))
         if d["checker"] == "kv_reads" and out[-1]:
             reads.setdefault((d.get("evidence") or {}).get("req"), []).append((d["step"], out[-1]))
+    # a poisoned read took KV computed from another request's wrong read (its origin, by the
+    # writer record): one a fault leaves unexplained is its consequence when the origin's own
+    # wrong read, at or before it, is the fault's; in step order, so chains of them resolve
+    for d, e in sorted(zip(dicts, out), key=lambda x: x[0]["step"]):
+        ev = d.get("evidence") or {}
+        if d["checker"] == "kv_reads" and not e and ev.get("origin"):
+            took = reads.get(ev["origin"], ())
+            names = {n for step, ex in took if step <= d["step"] for n, _ in ex}
+            if names:
+                e.extend((n, "consequence") for n in sorted(names))
+                reads.setdefault(ev.get("req"), []).append((d["step"], e))
     # a divergence is the output of what its request read: one a fault leaves unexplained is
     # still its consequence when that request's own wrong read, at or before it, is the fault's
     # (a prefix hit on a block the fault corrupted, by a request that was not live then)

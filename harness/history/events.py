@@ -147,6 +147,7 @@ class Snapshot(_Snapshot, total=False):
     # a manager with a host tier ("offload"): each sequence's host slots, the free ones
     host_blocks: dict[str, list[int]]
     host_free: list[int]
+    host_ref_counts: list[int]  # a host tier that shares slots (a prefix cache on the host)
 
 
 class SnapshotInvalid(TypedDict):

@@ -76,14 +76,24 @@ class KVRecord:
 
     def copy(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy-on-write: each dst block takes src's slots (all sources read before any write)."""
+        taken = [(dst, self.rows(src)) for src, dst in pairs]
+        for dst, rows in taken:
+            self.put(dst, rows)
+
+    def rows(self, b: int) -> list[list]:
+        """Block b's slots, every field (what a copy of the block carries)."""
         bs = self.block_size
         fields = (self.writer, self.pos, self.token, self.ident, self.step, self.taint)
-        taken = [(dst, [f[src * bs : (src + 1) * bs] for f in fields]) for src, dst in pairs]
-        for dst, rows in taken:
-            for f, row in zip(fields, rows):
-                f[dst * bs : (dst + 1) * bs] = row
-            self.version[dst] += 1
-            self.bumped.add(dst)
+        return [f[b * bs : (b + 1) * bs] for f in fields]
+
+    def put(self, b: int, rows: list[list]) -> None:
+        """Block b takes a copy's slots (rows())."""
+        bs = self.block_size
+        fields = (self.writer, self.pos, self.token, self.ident, self.step, self.taint)
+        for f, row in zip(fields, rows):
+            f[b * bs : (b + 1) * bs] = row
+        self.version[b] += 1
+        self.bumped.add(b)
 
     def write(
         self, seq: str, pos: int, token: int, digest: bytes | None, slot: int, step: int
@@ -240,6 +250,15 @@ class RankRecords:
 
     def on_batch(self, rank: int, reads: list, writes: list) -> None:
         self.pending[rank] = (reads, writes)
+
+    def on_engine(self, kind: str, data: dict, step: int, tokens_of) -> None:
+        """The engine's copies and late writes (events cow, cow_landed, async_landed)."""
+        if kind == "cow":
+            self.copy(data["copies"], data.get("late_ranks", ()))
+        elif kind == "cow_landed":
+            self.copy_on(data["rank"], data["copies"])
+        elif kind == "async_landed":
+            self.landed(data["req"], data["writes"], step, tokens_of)
 
     def copy(self, pairs, late=()) -> None:
         """Copy-on-write on every rank but the `late` ones (their copies land later: copy_on);

@@ -17,6 +17,8 @@ from kvchaos.harness.check.snapshots import judge
 from kvchaos.harness.history.log import History
 from kvchaos.harness.run.cache_state import CacheWatch
 from kvchaos.harness.run.kv_record import RankRecords
+from kvchaos.harness.run.kv_tier import KINDS as TIER_KINDS
+from kvchaos.harness.run.kv_tier import TierRecord
 from kvchaos.harness.run.oracle import Oracle
 from kvchaos.harness.run.oracle_feed import OracleFeed
 from kvchaos.harness.run.telemetry import Telemetry
@@ -80,6 +82,7 @@ class LiveRun:
         if observe:  # every call into the manager, in the history (not in its digest)
             self.engine.bm.start_log()
         self.kv: RankRecords | None = None  # the per-block writer record, armed with a cache
+        self.kv_tier: TierRecord | None = None  # ... and the host tier's copies in it
         self.telemetry = Telemetry.from_env(device)
 
     def snapshot(self, step: int) -> None:
@@ -196,6 +199,7 @@ class LiveRun:
             e.seams.on_upload = on_upload
         if self.observe and "prefix_cache" in e.capabilities:  # reads of KV other requests wrote
             self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size, len(e.ranks.ranks))
+            self.kv_tier = TierRecord(self.kv, e.tier) if e.tier is not None else None
             self.cache_watch = CacheWatch(e.bm.block_size)
             e.seams.on_batch = self.kv.on_batch
             self.h.append({"e": "kv_record", "step": 0, "ranks": len(e.ranks.ranks)})
@@ -228,19 +232,13 @@ class LiveRun:
 
     def _engine_event(self, kind: str, data: dict) -> None:
         if self.kv is not None:  # copies reach the record before the step's writes
-            if kind == "cow":
-                self.kv.copy(data["copies"], data.get("late_ranks", ()))
-            elif kind == "cow_landed":
-                self.kv.copy_on(data["rank"], data["copies"])
-            elif kind == "async_landed":
-                tokens = self.engine.seqs
-                self.kv.landed(
-                    data["req"], data["writes"], self.engine.step_count, lambda q: tokens[q].tokens
-                )
+            seqs, step = self.engine.seqs, self.engine.step_count
+            self.kv.on_engine(kind, data, step, lambda q: seqs[q].tokens)
+            if kind in TIER_KINDS and self.kv_tier is not None:
+                self.kv_tier.on(kind, data)
             elif kind == "hit":
                 self.kv.hit(data["req"], data["blocks"])
-                tokens = self.engine.seqs[data["req"]].tokens
-                self.cache_watch.hit(self.engine.step_count, data["req"], tokens, data["blocks"])
+                self.cache_watch.hit(step, data["req"], seqs[data["req"]].tokens, data["blocks"])
         self.h.append({"e": "engine", "step": self.engine.step_count, "kind": kind, "data": data})
 
     def _check_reads(self, step: int) -> None:
@@ -267,12 +265,8 @@ class LiveRun:
                 return "shared"
         if seq.state is State.WAITING and seq.id in self.engine.scheduler.loading:
             return "loading"  # waiting, holding the blocks its KV lands in
-        tier = self.engine.tier
-        if (
-            seq.tier == "restoring"
-            and tier is not None
-            and getattr(tier.copies.get(req), "done", 0)
-        ):
+        c = self.engine.tier.copies.get(req) if self.engine.tier is not None else None
+        if seq.tier == "restoring" and c is not None and c.done:
             return "landing"  # restoring, some of its blocks landed (a host tier's bandwidth)
         return seq.phase
 
