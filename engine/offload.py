@@ -478,7 +478,8 @@ class TierSteps:
         cold = self.config.offload.cold_steps
         if cold:
             for s in list(sched.idle):
-                if s.tier == "device" and step - s.idle_since >= cold:
+                # (one whose copy is in flight, its table flipped early, waits for it to land)
+                if s.tier == "device" and step - s.idle_since >= cold and s.id not in tier.copies:
                     self._tier_store(s, "cold")
         head = sched.waiting[0] if sched.waiting else None
         # the first in line, once its blocks and its next token fit (nobody overtakes it)

@@ -249,3 +249,32 @@ def test_each_clean_holds_with_a_bandwidth_its_trigger_pulled(name, fault):
     truth = r.results["fault_verify"][fault]
     assert truth["triggered"] > 0 and truth["remediated"] == truth["triggered"]
     assert not truth["fired"]
+
+
+def test_a_request_flipped_early_and_gone_cold_is_stored_only_once_its_load_landed():
+    """restore_flip with a bandwidth: the request runs on a partly landed restore and may pause
+    and go cold before the rest lands; its next store waits for the copy (the manager takes one
+    copy per sequence at a time)."""
+    cache = CacheConfig(
+        block_size=4, num_blocks=16, max_blocks_per_seq=8, max_num_seqs=2, prefix_caching=False
+    )
+    cfg = EngineConfig(cache=cache, offload=OffloadConfig(cold_steps=1, blocks_per_step=1))
+    e = Engine(cfg)
+    e.seams.restore_flip = lambda seq: True
+    e.add_request("a", [(5 * i + 1) % 250 for i in range(16)], 12)  # four blocks
+    e.step()
+    assert e.pause("a")
+    while e.seqs["a"].tier != "host":
+        e.step()
+    assert e.resume("a")
+    while not (e.seqs["a"].tier == "device" and "a" in e.tier.copies):
+        e.step()  # flipped at the first landing
+    e.step()  # it computes on the blocks still in flight, a token
+    assert "a" in e.tier.copies and e.pause("a")
+    stores = e.counters["offload_stores"]
+    for _ in range(20):
+        e.step()
+        if getattr(e.tier.copies.get("a"), "kind", None) != "restore":
+            break
+        assert e.counters["offload_stores"] == stores  # not while its restore is in flight
+    assert e.counters["offload_stores"] == stores + 1  # once it landed (cold since)
