@@ -250,7 +250,7 @@ class AsyncFree(Fault):
     def _follow_copies(self, engine, step: int) -> None:
         """This step's copy-on-write copies of blocks holding late writes: the copies hold them
         too. The copies ran before the step's batch, so before this step's writes landed."""
-        late = _late_blocks(self.landed, self.copied)
+        late = set(_late_blocks(self.landed, self.copied))
         for src, dst in engine.step_copies:
             if src in late:
                 self.copied.append({"step": step, "src": src, "dst": dst})
@@ -308,7 +308,7 @@ class AsyncFree(Fault):
         if not landed:
             return None
         writers = {x["req"] for x in landed}
-        blocks = _late_blocks(landed, [c for c in truth.get("copied", ()) if c["step"] <= s])
+        blocks = set(_late_blocks(landed, [c for c in truth.get("copied", ()) if c["step"] <= s]))
         victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s}
         if checker == "offload" and kind == "landed_after_free":
             return "cause" if ev.get("req") in writers else None
@@ -358,6 +358,8 @@ def _explains_mixed(finding: dict, truth: dict) -> str | None:
     return None
 
 
-def _late_blocks(landed: list[dict], copied: list[dict]) -> set[int]:
-    """The blocks late writes landed in, and the copies copy-on-write made of them."""
-    return {b for x in landed for b in x["blocks"]} | {c["dst"] for c in copied}
+def _late_blocks(landed: list[dict], copied: list[dict]) -> list[int]:
+    """The blocks late writes landed in (as a set iterates them: who is a victim first is kept in
+    that order), then the copies copy-on-write made of them."""
+    late = {b for x in landed for b in x["blocks"]}
+    return [*late, *dict.fromkeys(c["dst"] for c in copied if c["dst"] not in late)]
