@@ -110,6 +110,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
         self.table_version = 0
         self._late_copies: list[tuple[int, int, list]] = []  # (due step, rank, copies) in flight
         self.copies_in_flight: dict[int, list] = {}  # rank -> copies it computes the step without
+        self.step_copies: list = []  # this step's copy-on-write copies (src, dst), as issued
         self.scrambled_ranks: list[int] = []  # ranks that wrote the step's blocks reversed
         self.order_fixes = 0  # ranks whose tokens came out of order, written by position all same
         self.counters = {
@@ -364,6 +365,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
         t0, c0 = time.perf_counter(), time.thread_time()
         self.step_count += 1
         self.scrambled_ranks = []
+        self.step_copies = []
         if self.tier is not None:
             self._tier_tick()
         scheduler = self.scheduler

@@ -15,7 +15,7 @@ from kvchaos.engine.staging import StagingBuffer
 
 class TableUpload:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        late = []
+        late, self.step_copies = [], self.step_copies + list(copies)
         for rank in range(len(self.kv_pools)):
             d = self.seams.rank_copy_delay(rank, self.step_count)
             if d > 0 or any(q == rank for _, q, _ in self._late_copies):  # behind those in flight

@@ -94,6 +94,12 @@ class Victim(TypedDict):
     req: str  # held a block a late write landed in (then, or since: the slot stays wrong)
 
 
+class Copied(TypedDict):
+    step: int
+    src: int  # held late writes (landed there, or copied there since)
+    dst: int  # took src's slots by copy-on-write: the late writes with them
+
+
 class Mixed(TypedDict):
     step: int
     rows: list[int]
@@ -104,6 +110,7 @@ class Mixed(TypedDict):
 class Truth(base.Truth):
     mixed: NotRequired[list[Mixed]]
     landed: NotRequired[list[Landed]]
+    copied: NotRequired[list[Copied]]  # only when a copy-on-write carried late writes
     freed_early: NotRequired[list[str]]
     victims: NotRequired[list[Victim]]
 
@@ -150,6 +157,7 @@ class AsyncFree(Fault):
         super().arm(engine, emit)
         self.engine, self.seen = engine, 0
         self.landed: list[dict] = []
+        self.copied: list[dict] = []
         self.freed: list[str] = []
         self.victims: dict[str, int] = {}  # req -> step it first held a block written late
         self.mixed: list[dict] = []
@@ -210,6 +218,7 @@ class AsyncFree(Fault):
             return self._after_mixed(engine, step)
         if self.p["variant"] == "load_abort":
             return None if self.na else self._after_late(engine, step)
+        self._follow_copies(engine, step)
         log = engine.inflight.log
         for x in log[self.seen :]:
             held = {b: h for b, h in x["holders"].items() if h}
@@ -220,7 +229,7 @@ class AsyncFree(Fault):
             self.fired(step, {**d, "holders": held})
         self.seen = len(log)
         # a holder since the writes landed (the writer too: a preempted request readmitted)
-        for b in {b for x in self.landed for b in x["blocks"]}:
+        for b in _late_blocks(self.landed, self.copied):
             for q in holders(engine.table, b):
                 if q not in self.victims:
                     self.victims[q] = step
@@ -228,6 +237,7 @@ class AsyncFree(Fault):
 
     def _after_late(self, engine, step: int) -> None:
         """Loads of aborted requests that landed (the engine's offload_late), and their holders."""
+        self._follow_copies(engine, step)
         for x in engine.tier.late[self.late_seen :]:
             held = {b: h for b, h in x["holders"].items() if h}
             d = {"step": step, "req": x["req"], "written": x["issued"], "blocks": x["blocks"]}
@@ -239,6 +249,15 @@ class AsyncFree(Fault):
                 for q in h:
                     self.victims.setdefault(q, step)
         self.late_seen = len(engine.tier.late)
+
+    def _follow_copies(self, engine, step: int) -> None:
+        """This step's copy-on-write copies of blocks holding late writes: the copies hold them
+        too. The copies ran before the step's batch, so before this step's writes landed."""
+        late = set(_late_blocks(self.landed, self.copied))
+        for src, dst in engine.step_copies:
+            if src in late:
+                self.copied.append({"step": step, "src": src, "dst": dst})
+                self.touch(blocks=[dst])
 
     def _after_mixed(self, engine, step: int) -> None:
         for x in engine.inflight.mixed[len(self.mixed) :]:
@@ -275,6 +294,7 @@ class AsyncFree(Fault):
             **super().verify(),
             "variant": self.p["variant"],
             "landed": getattr(self, "landed", []),
+            **({"copied": self.copied} if getattr(self, "copied", None) else {}),
             "mixed": getattr(self, "mixed", []),
             "freed_early": getattr(self, "freed", []),
             "victims": [{"step": t, "req": q} for q, t in getattr(self, "victims", {}).items()],
@@ -291,7 +311,7 @@ class AsyncFree(Fault):
         if not landed:
             return None
         writers = {x["req"] for x in landed}
-        blocks = {b for x in landed for b in x["blocks"]}
+        blocks = set(_late_blocks(landed, [c for c in truth.get("copied", ()) if c["step"] <= s]))
         victims = {v["req"] for v in truth.get("victims", []) if v["step"] <= s}
         if checker == "offload" and kind == "landed_after_free":
             return "cause" if ev.get("req") in writers else None
@@ -342,3 +362,10 @@ def _explains_mixed(finding: dict, truth: dict) -> str | None:
         tainted = set(ev.get("writers") or ()) & (mixed | victims)
         return "consequence" if tainted or ev.get("parent_block") in blocks else None
     return None
+
+
+def _late_blocks(landed: list[dict], copied: list[dict]) -> list[int]:
+    """The blocks late writes landed in (as a set iterates them: who is a victim first is kept in
+    that order), then the copies copy-on-write made of them."""
+    late = {b for x in landed for b in x["blocks"]}
+    return [*late, *dict.fromkeys(c["dst"] for c in copied if c["dst"] not in late)]

@@ -168,7 +168,11 @@ def test_a_refusal_that_leaves_a_trace_is_caught():
 
 
 # -- the catch itself: without the expected checkers, every detect scenario is MISSED ---------
-@pytest.mark.parametrize("name", DETECT)
+@pytest.mark.parametrize(
+    "name",
+    # the stall's PASS is latency catching it: measured time (timing)
+    [pytest.param(n, marks=[pytest.mark.timing] * (n == "staging-stall-detect")) for n in DETECT],
+)
 def test_switching_off_the_expected_checkers_gives_missed(name):
     sc = load_scenario(name)
     r = run(sc)
