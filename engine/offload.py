@@ -38,94 +38,21 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from typing_extensions import TypedDict
-
 from kvchaos.engine.errors import OutOfBlocks
+from kvchaos.engine.offload_events import (
+    OffloadLanded,
+    OffloadLate,
+    OffloadRestore,
+    OffloadStore,
+    OffloadTier,
+    Pause,
+    Resume,
+    Why,
+)
 from kvchaos.engine.sequence import State
 
 if TYPE_CHECKING:  # the harness's events import this module: a command starts without torch
     import torch
-
-Why = Literal["preempt", "cold"]
-
-
-class _Store(TypedDict):
-    req: str
-    why: Why
-    pairs: list[list[int]]  # [device block, host slot] in logical order
-    due: int
-    crcs: list[int]  # each host copy as read (every rank's, chained)
-    fenced: bool  # it waited for the step in flight that wrote the blocks (async scheduling)
-
-
-class OffloadStore(_Store, total=False):
-    """A store issued: device block -> host slot, read now, completing at `due`."""
-
-    dues: list[int]  # with a bandwidth: each block's due step (`due`: the last's)
-
-
-class _Restore(TypedDict):
-    req: str
-    pairs: list[list[int]]  # [host slot, device block]
-    due: int
-    crcs: list[int]  # each host slot's content now
-    flipped: bool  # the table named the new blocks to the kernels before the copy completed
-
-
-class OffloadRestore(_Restore, total=False):
-    """A restore issued: host slot -> new device block, written when it lands at `due`."""
-
-    dues: list[int]  # with a bandwidth: each block's due step (`due`: the last's)
-    hit: bool  # an admission's prefix hit found on the host tier alone (offload_hits)
-
-
-class OffloadLanded(TypedDict):
-    """Blocks of a copy landed (all of them, without a bandwidth; the copy completed once every
-    block of its issue did). store: each device block's CRC now (what its host copy must equal);
-    restore: each device block's CRC once written (what the store's copy was)."""
-
-    req: str
-    kind: Literal["store", "restore"]
-    issued: int
-    pairs: list[list[int]]
-    crcs: list[int]
-
-
-class OffloadLate(TypedDict):
-    """A load of a request released while it was in flight landed (seam free_loading): into
-    device blocks the manager took back, and may have handed on."""
-
-    req: str
-    issued: int
-    blocks: list[int]
-    holders: dict[str, list[str]]  # block -> the sequences whose table rows name it now
-
-
-class Pause(TypedDict):
-    """A request sits idle holding its blocks (the workload's think time)."""
-
-    req: str
-
-
-class Resume(TypedDict):
-    """An idle request waits to run again; tier: where its blocks are now."""
-
-    req: str
-    tier: str
-
-
-class _Tier(TypedDict):
-    device_used: int
-    host_used: int
-    in_flight: int  # sequences with a copy in flight
-    stored: int  # blocks whose store completed this step
-    restored: int  # ... whose restore completed
-
-
-class OffloadTier(_Tier, total=False):
-    """Occupancy and traffic of the step (device blocks in use, host slots in use, in flight)."""
-
-    blocks_in_flight: int  # with a bandwidth: blocks issued, not landed
 
 
 @dataclass(kw_only=True)
@@ -284,7 +211,6 @@ class TierSteps:
 
     def _tier_restore(self, seq) -> bool:
         """Issue seq's restore (new device blocks from the manager). False: no room yet."""
-        tier, step = self.tier, self.step_count
         try:
             self.table.place(seq.id)
             pairs = self.bm.offload_restore(seq.id)
@@ -292,8 +218,31 @@ class TierSteps:
             self.table.drop(seq.id)
             return False
         self.table.sync(seq.id)
+        self._tier_load(seq, pairs, hit=False)
+        self.counters["offload_restores"] += 1
+        return True
+
+    def tier_hits(self, seq) -> int:
+        """Right after seq's admission: the blocks of its prefix hit found on the host tier alone
+        (offload_hits) are copied in, and it waits, holding its blocks, until they land. Returns
+        the steps it waits (0: no such hit, or (seam restore_flip) it runs at once)."""
+        if "prefix_cache" not in self.capabilities:
+            return 0
+        pairs = self.bm.offload_hits(seq.id)
+        if not pairs:
+            return 0
+        c = self._tier_load(seq, pairs, hit=True)
+        self.counters["offload_hit_loads"] += 1
+        if seq.tier == "device":  # flipped at once
+            return 0
+        # (the scheduler waits while it is restoring; flipped at a first landing: from then)
+        return (c.dues[0] if c.flip else c.due) - self.step_count
+
+    def _tier_load(self, seq, pairs: list, hit: bool) -> Copy:
+        """A copy in from the host tier issued: a restore's, or a prefix hit's (hit)."""
+        tier, step = self.tier, self.step_count
         dues = tier.book(len(pairs), step + tier.latency, step)
-        c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues)
+        c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues, hit=hit)
         tier.copies[seq.id] = c
         if tier.side is not None:  # CUDA: on the side stream now, each block's event awaited
             c.marks = tier.side.restore(pairs, self.kv_pools, tier.pools)
@@ -310,44 +259,12 @@ class TierSteps:
             crcs=[crc(tier.pools, s) for s, _ in pairs],
             flipped=flipped,
         )
+        if hit:
+            ev["hit"] = True
         if tier.bandwidth:
             ev["dues"] = dues
-        self.counters["offload_restores"] += 1
         self.seams.on_event("offload_restore", dict(ev))
-        return True
-
-    def tier_hits(self, seq) -> int:
-        """Right after seq's admission: the blocks of its prefix hit found on the host tier alone
-        (offload_hits) are copied in, and it waits, holding its blocks, until they land. Returns
-        the steps it waits (0: no such hit, or (seam restore_flip) it runs at once)."""
-        if "prefix_cache" not in self.capabilities:
-            return 0
-        pairs = self.bm.offload_hits(seq.id)
-        if not pairs:
-            return 0
-        tier, step = self.tier, self.step_count
-        dues = tier.book(len(pairs), step + tier.latency, step)
-        c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues, hit=True)
-        tier.copies[seq.id] = c
-        if tier.side is not None:  # CUDA: on the side stream now, each block's event awaited
-            c.marks = tier.side.restore(pairs, self.kv_pools, tier.pools)
-        tier.tiers[seq.id] = [["flight", b, s] for s, b in pairs]
-        flipped = bool(self.seams.restore_flip(seq))
-        c.flip = flipped and bool(tier.bandwidth)  # (as a restore's: at its first landing)
-        seq.tier = "device" if flipped and not c.flip else "restoring"
-        ev = OffloadRestore(
-            req=seq.id,
-            pairs=[[s, b] for s, b in pairs],
-            due=c.due,
-            crcs=[crc(tier.pools, s) for s, _ in pairs],
-            flipped=flipped,
-            hit=True,
-        )
-        if tier.bandwidth:
-            ev["dues"] = dues
-        self.counters["offload_hit_loads"] += 1
-        self.seams.on_event("offload_restore", dict(ev))
-        return 0 if flipped else c.due - step  # (the scheduler waits while it is restoring)
+        return c
 
     def _tier_land(self, c: Copy, every: bool = False) -> None:
         """c's blocks due by this step land, in order (every: all those left, the engine waits

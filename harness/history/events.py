@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict, Union, get_args, get_type_hints
 
 from kvchaos.engine.inflight import AsyncFence, AsyncFreed, AsyncLanded, AsyncMixed, AsyncStep
-from kvchaos.engine.offload import (
+from kvchaos.engine.offload_events import (
     OffloadLanded,
     OffloadLate,
     OffloadRestore,
