@@ -242,13 +242,15 @@ class Offload(Fault):
             return "cause" if kind in ("tier_map", "restore_content") and mine else None
         if finding.get("checker") == "oracle_divergence" and kind == "divergence":
             return "consequence" if ev.get("req") in reqs else None
+        # a raced restore's blocks: computed on before the copy landed, then the late copy
+        # landed over what was computed (a prefix cache keyed them and serves them on)
+        raced = {b for x in truth.get("raced", []) if x["step"] <= s for b in x["blocks"]}
+        over = ev.get("block") in raced
         if finding.get("checker") == "kv_reads":  # the writer record (a prefix cache's runs)
             if kind in ("wrong_read", "unwritten_read") and ev.get("req") in reqs:
                 return "cause"  # the request that computed on what the copy had not brought
-            # a block the late copy landed over, served on (a prefix hit), or KV computed from it
-            raced = [x for x in truth.get("raced", []) if x["step"] <= s]
-            over = ev.get("block") in {b for x in raced for b in x["blocks"]}
             return "consequence" if ev.get("origin") in reqs or over else None
         if finding.get("checker") == "prefix_cache" and kind == "cache_content":
-            return "consequence" if set(ev.get("writers") or ()) & reqs else None
+            after = ev.get("parent_block") in raced  # keyed after such a block
+            return "consequence" if set(ev.get("writers") or ()) & reqs or over or after else None
         return None

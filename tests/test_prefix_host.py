@@ -176,3 +176,23 @@ def test_host_hits_save_prefill_the_run_without_the_tier_computes():
     assert out["with_tier_verdict"] == out["without_tier_verdict"] == "PASS"
     assert out["hit_loaded_blocks"] > 0
     assert out["with_tier_prefill_tokens"] < out["without_tier_prefill_tokens"]
+
+
+def test_a_raced_restores_blocks_explain_what_a_prefix_cache_served_of_them_and_no_more():
+    from kvchaos.faults.offload import Offload
+
+    truth = {"variant": "restore_race", "raced": [{"step": 5, "req": "r1", "blocks": [7, 8]}]}
+
+    def f(checker, kind, step=9, **ev):
+        return {"checker": checker, "kind": kind, "step": step, "evidence": ev}
+
+    assert Offload.explains(f("kv_reads", "wrong_read", req="r1", block=3), truth) == "cause"
+    served = f("kv_reads", "unwritten_read", req="r2", block=8)
+    assert Offload.explains(served, truth) == "consequence"
+    assert Offload.explains(f("prefix_cache", "cache_content", block=7), truth) == "consequence"
+    after = f("prefix_cache", "cache_content", block=9, parent_block=8)
+    assert Offload.explains(after, truth) == "consequence"
+    assert Offload.explains(f("prefix_cache", "cache_content", block=9), truth) is None
+    assert Offload.explains(f("kv_reads", "wrong_read", req="r2", block=3), truth) is None
+    early = f("kv_reads", "unwritten_read", step=4, req="r2", block=8)  # before the race
+    assert Offload.explains(early, truth) is None
