@@ -71,8 +71,7 @@ def invalid_result(job: dict) -> dict:
     return {
         "run_dir": None,
         "verdict": ERROR,
-        "summary": f"the soak's own draw for seed {bad['seed']} is invalid, "
-        f"{bad['param']}: {why}",
+        "summary": f"the soak's own draw for seed {bad['seed']} is invalid, {bad['param']}: {why}",
         "steps": 0,
         "digest": None,
         "command": "",
