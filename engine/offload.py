@@ -152,8 +152,14 @@ def crc(pools: list, index: int) -> int:
     """One block's content on every rank, chained (the device pool's or the host's)."""
     c = 0
     for p in pools:
-        c = zlib.crc32(p[:, :, index].contiguous().cpu().numpy().tobytes(), c)
+        c = zlib.crc32(p[:, :, at(p, index)].contiguous().cpu().numpy().tobytes(), c)
     return c
+
+
+def at(pool, block):
+    """A device block's index in a pool: one past a pool sized short (a planted geometry defect,
+    engine/geometry.py) wraps to its start, as the kernels' raw addresses do; else itself."""
+    return block % pool.shape[2]
 
 
 class TierSteps:
@@ -182,7 +188,7 @@ class TierSteps:
         kept = tier.kept.pop(seq.id, {})  # still valid on the host: not copied again
         for rank, (dev, host) in enumerate(zip(self.kv_pools, tier.pools)):
             for i, (b, s) in enumerate(pairs):
-                host[:, :, s] = kept[i][rank] if i in kept else dev[:, :, b]
+                host[:, :, s] = kept[i][rank] if i in kept else dev[:, :, at(dev, b)]
             for r, slot in early:  # read before those writes landed: what the slot held before
                 if r == rank and any(b == slot // bs for b, _ in pairs):
                     s = dict(pairs)[slot // bs]
@@ -239,7 +245,7 @@ class TierSteps:
         if c.kind == "restore":
             for dev, host in zip(self.kv_pools, tier.pools):
                 for s, b in c.pairs:
-                    dev[:, :, b] = host[:, :, s]
+                    dev[:, :, at(dev, b)] = host[:, :, s]
             kept = {i: [h[:, :, s].clone() for h in tier.pools] for i, (s, _) in enumerate(c.pairs)}
             tier.kept[c.req] = kept
         written = [b for b, _ in c.pairs] if c.kind == "store" else [b for _, b in c.pairs]
@@ -304,7 +310,7 @@ class TierSteps:
                 continue
             blocks = [b for _, b in c.pairs]
             for dev, kv in zip(self.kv_pools, content):
-                dev[:, :, blocks] = kv
+                dev[:, :, [at(dev, b) for b in blocks]] = kv
             held = {str(b): holders(self.table, b) for b in blocks}
             ev = OffloadLate(req=c.req, issued=c.issued, blocks=blocks, holders=held)
             tier.late.append(ev)
@@ -330,7 +336,8 @@ class TierSteps:
         cold = self.config.offload.cold_steps
         if cold:
             for s in list(sched.idle):
-                if s.tier == "device" and step - s.idle_since >= cold:
+                # (one an idle victim gave back holds nothing to store: it recomputes)
+                if s.tier == "device" and s.holds and step - s.idle_since >= cold:
                     self._tier_store(s, "cold")
         head = sched.waiting[0] if sched.waiting else None
         # the first in line, once its blocks and its next token fit (nobody overtakes it)

@@ -6,7 +6,9 @@ read and as written) and the manager's snapshots (host_blocks, host_free beside 
   completed): a host slot held twice, or held and free; a sequence stored out that still holds
   device blocks, or one restored that still holds host slots.
 - store_content: a store's host copy equals what the device block held when the store completed
-  (the block is still held, unwritten, until then): else the store read it early.
+  (the block is still held, unwritten, until then): else the store read it early. Its evidence
+  says since when each block's copy was taken as current: the store's issue, or the restore it
+  kept (a copy equal to what that restore wrote), so a write into the block since can be named.
 - restore_content: a restore reads what the store copied (the host slot unchanged while held),
   and the device block it wrote holds that.
 - read_in_flight: a sequence computed on restored blocks before their copy completed.
@@ -35,6 +37,7 @@ def check_offload(events: list[dict]) -> CheckResult:
     stored: dict[str, dict] = {}  # req -> its last completed store (slot -> crc)
     flight: dict[str, dict] = {}  # req -> the copy in flight (its event data, step)
     where: dict[str, str] = {}  # req -> host (stored out) | device (restored)
+    restored: dict[str, dict] = {}  # req -> device block -> (crc, step) its last restore wrote
     for e in events:
         kind = e.get("e")
         if kind == "engine" and e["kind"] in KINDS:
@@ -50,7 +53,7 @@ def check_offload(events: list[dict]) -> CheckResult:
                 found += _restore_reads(step, d, stored.get(d["req"], {}))
             else:
                 issued = flight.pop(d["req"], None)
-                found += _landed(step, d, issued, stored)
+                found += _landed(step, d, issued, stored, restored)
                 where[d["req"]] = "host" if d["kind"] == "store" else "device"
         elif kind == "tier_read":
             c = flight.get(e["req"])
@@ -105,13 +108,19 @@ def _restore_reads(step: int, d: dict, stored: dict) -> list[Finding]:
     ]
 
 
-def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Finding]:
+def _landed(step: int, d: dict, issued: dict | None, stored: dict, restored: dict) -> list[Finding]:
     req, out = d["req"], []
     if issued is None:
         return []
     if d["kind"] == "store":
         stored[req] = {s: c for (_, s), c in zip(d["pairs"], issued["crcs"])}
         bad = [b for (b, _), c, h in zip(d["pairs"], d["crcs"], issued["crcs"]) if c != h]
+        kept = restored.pop(req, {})
+        copied = {b: h for (b, _), h in zip(d["pairs"], issued["crcs"])}
+        # per bad block: a copy equal to what the last restore wrote in it was kept since then
+        since = [
+            kept[b][1] if b in kept and kept[b][0] == copied[b] else issued["step"] for b in bad
+        ]
         if bad:
             out.append(
                 _finding(
@@ -124,9 +133,11 @@ def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Findi
                     req=req,
                     blocks=bad,
                     issued=issued["step"],
+                    since=since,
                 )
             )
     else:
+        restored[req] = {b: (c, step) for (_, b), c in zip(d["pairs"], d["crcs"])}
         bad = [b for (_, b), c, h in zip(d["pairs"], d["crcs"], issued["crcs"]) if c != h]
         if bad:
             out.append(
