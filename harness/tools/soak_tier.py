@@ -108,7 +108,7 @@ def _mix(r: random.Random, engine: dict, workload: dict, faults: list, space: di
     engine["tp_size"] = 2 if "ordering_race" in added else 1
     if "table_overflow" in added:
         soak_fits.fit_table_overflow(engine, added["table_overflow"])
-    if "ordering_race" in added:
+    if "variant" in added.get("ordering_race", {}).get("params", {}):
         fault = added["ordering_race"]
         fault["params"].update(space["ordering_race_variants"][fault["params"]["variant"]])
     if "async_free" in added:
@@ -136,6 +136,7 @@ def _variant(r: random.Random, name: str, space: dict, draw) -> dict:
         geo = space["table_overflow_geometry"]
         v = r.choice(space["faults"][name]["variant"])
         return {"variant": r.choice(geo["variant"]) if r.random() < geo["share"] else v}
-    if name == "ordering_race":
-        return {"variant": r.choice([v for v in space["ordering_race_variants"] if v not in out])}
+    if name == "ordering_race":  # the default (the first) as the mix leaves it: no param
+        v = r.choice([v for v in space["ordering_race_variants"] if v not in out])
+        return {} if v == next(iter(space["ordering_race_variants"])) else {"variant": v}
     return {"variant": r.choice([v for v in space["faults"][name]["variant"] if v not in out])}
