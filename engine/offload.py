@@ -142,8 +142,14 @@ def crc(pools: list, index: int) -> int:
     """One block's content on every rank, chained (the device pool's or the host's)."""
     c = 0
     for p in pools:
-        c = zlib.crc32(p[:, :, index].contiguous().cpu().numpy().tobytes(), c)
+        c = zlib.crc32(p[:, :, at(p, index)].contiguous().cpu().numpy().tobytes(), c)
     return c
+
+
+def at(pool, block):
+    """A device block's index in a pool: one past a pool sized short (a planted geometry defect,
+    engine/geometry.py) wraps to its start, as the kernels' raw addresses do; else itself."""
+    return block % pool.shape[2]
 
 
 class TierSteps:
@@ -176,14 +182,15 @@ class TierSteps:
         )
         c = Copy(kind="store", req=seq.id, pairs=pairs, issued=step, dues=dues)
         if tier.side is not None:  # CUDA: on the side stream, after the step's writes unless early
-            c.marks = tier.side.store(pairs, self.kv_pools, tier.pools, set(kept), not early)
+            wrapped = [(at(self.kv_pools[0], b), h) for b, h in pairs]
+            c.marks = tier.side.store(wrapped, self.kv_pools, tier.pools, set(kept), not early)
             tier.side.host_wait(c.marks)  # what it read, for the record (and the slots below)
         for rank, (dev, host) in enumerate(zip(self.kv_pools, tier.pools)):
             for i, (b, s) in enumerate(pairs):
                 if i in kept:
                     host[:, :, s] = kept[i][rank]
                 elif tier.side is None:
-                    host[:, :, s] = dev[:, :, b]
+                    host[:, :, s] = dev[:, :, at(dev, b)]
             for r, slot in early:  # read before those writes landed: what the slot held before
                 if r == rank and any(b == slot // bs for b, _ in pairs):
                     s = dict(pairs)[slot // bs]
@@ -245,7 +252,8 @@ class TierSteps:
         c = Copy(kind="restore", req=seq.id, pairs=pairs, issued=step, dues=dues, hit=hit)
         tier.copies[seq.id] = c
         if tier.side is not None:  # CUDA: on the side stream now, each block's event awaited
-            c.marks = tier.side.restore(pairs, self.kv_pools, tier.pools)
+            wrapped = [(h, at(self.kv_pools[0], b)) for h, b in pairs]
+            c.marks = tier.side.restore(wrapped, self.kv_pools, tier.pools)
         tier.tiers[seq.id] = [["flight", b, s] for s, b in pairs]
         flipped = bool(self.seams.restore_flip(seq))
         # with a bandwidth the defect flips the table once the first block landed (a copy's
@@ -285,7 +293,7 @@ class TierSteps:
             else:
                 for dev, host in zip(self.kv_pools, tier.pools):
                     for s, b in part:
-                        dev[:, :, b] = host[:, :, s]
+                        dev[:, :, at(dev, b)] = host[:, :, s]
             for i in range(first, k):  # (a hit's slots are the cache's: none kept)
                 c.read[i] = [h[:, :, c.pairs[i][0]].clone() for h in tier.pools]
             if done and not c.hit:  # its own host copy, kept valid
@@ -367,7 +375,8 @@ class TierSteps:
                 continue
             c.done, blocks = k, [b for _, b in c.pairs[first:k]]
             for dev, kv in zip(self.kv_pools, content):
-                dev[:, :, blocks] = kv if (first, k) == (0, len(c.pairs)) else kv[:, :, first:k]
+                into = [at(dev, b) for b in blocks]
+                dev[:, :, into] = kv if (first, k) == (0, len(c.pairs)) else kv[:, :, first:k]
             held = {str(b): holders(self.table, b) for b in blocks}
             ev = OffloadLate(req=c.req, issued=c.issued, blocks=blocks, holders=held)
             tier.late.append(ev)
@@ -395,8 +404,10 @@ class TierSteps:
         cold = self.config.offload.cold_steps
         if cold:
             for s in list(sched.idle):
-                # (one whose copy is in flight, its table flipped early, waits for it to land)
-                if s.tier == "device" and step - s.idle_since >= cold and s.id not in tier.copies:
+                # (one an idle victim gave back holds nothing to store: it recomputes; one
+                # whose copy is in flight, its table flipped early, waits for it to land)
+                ready = s.tier == "device" and s.holds and s.id not in tier.copies
+                if ready and step - s.idle_since >= cold:
                     self._tier_store(s, "cold")
         head = sched.waiting[0] if sched.waiting else None
         # the first in line, once its blocks and its next token fit (nobody overtakes it)

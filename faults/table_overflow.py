@@ -433,4 +433,10 @@ class TableOverflow(Fault):
             truth.get("overlong", [])
         ):
             return "consequence"  # the queue waits on a request only the defect let in
+        if finding["checker"] == "offload" and truth.get("variant") == "slot_past_pool":
+            # a block past a pool sized short is the one it wraps to: that one's holder writing
+            # it changes a host copy of it in flight (or a restore's into it)
+            named = set(ev.get("blocks") or ())
+            copies = finding.get("kind") in ("store_content", "restore_content")
+            return "consequence" if copies and named and named <= touched else None
         return None

@@ -74,7 +74,7 @@ EXITS = {
         (10, "MISSED", ""),
         (11, "FAIL", ""),
         (14, "nondeterminism", "a replayed run's history differed from the original"),
-        (13, "ERROR", ""),
+        (13, "ERROR", "a run the harness broke in, or a seed whose own draw was invalid"),
         (15, "disk cap", "stopped at --max-disk before the budget was spent"),
     ],
     "ledger": [(0, "merged", "every run of the ledgers in OUT, each once")],

@@ -78,14 +78,20 @@ def test_shards_split_the_seed_space():
 
 def test_thousands_of_draws_each_load_as_a_valid_scenario():
     """The fits of several faults drawn together keep every fault's own needs (seed 1607 drew
-    a leak retry beside an async preempt, whose small pool broke the retry's floor)."""
-    bad = []
+    a leak retry beside an async preempt, whose small pool broke the retry's floor); the host
+    tier's mixes among them, each of the modes it runs beside drawn."""
+    bad, beside = [], set()
     for seed in range(4000):
+        d = generate_scenario(seed)
         try:
-            parse_scenario(generate_scenario(seed), f"<soak {seed}>").engine_config()
+            parse_scenario(d, f"<soak {seed}>").engine_config()
         except KVChaosError as e:
             bad.append(str(e))
+        if "offload" in d["engine"]:
+            beside |= {(seed, f["name"]) for f in d["faults"][1:] if f["name"] != "async_free"}
     assert bad == []
+    assert {n for _, n in beside} == {"table_overflow", "refcount_leak", "ordering_race"}
+    assert len({s for s, _ in beside}) > 150  # of ~600 tier seeds, about half mixed
 
 
 def test_random_scenarios_are_valid_seeded_and_within_the_declared_ranges():

@@ -318,3 +318,74 @@ def test_a_divergence_fed_by_a_wrong_read_the_fault_explains_is_its_consequence(
     late = ("kv_reads", 16, "wrong_read", {"req": "r10", "rank": 1, "block": 0, "writer": "r7"})
     v = decide(RACE, checks(stale, late, diverged), STALE_AT_9, None)
     assert v.verdict == FAIL and "oracle_divergence at step 15" in v.summary
+
+
+# -- a host tier beside another failure mode (the soak's tier mixes) ---------------------------
+TIER = parse_scenario(
+    {
+        "scenario": {"name": "t"},
+        "engine": {"offload": {}},
+        "faults": [
+            {"name": "offload", "defect": False, "params": {"variant": "restore_race"}},
+            {"name": "table_overflow", "defect": True},
+        ],
+        "expect": {"outcome": "detect", "checkers": ["table_integrity"], "within_steps": 2},
+    },
+    "<test>",
+)
+OVERFLOW_AT_33 = {
+    "offload": PULLED,
+    "table_overflow": {
+        "fired": True,
+        "first_step": 33,
+        "times": 1,
+        "touched": {"requests": ["long0"], "rows": [0], "blocks": [13]},
+    },
+}
+
+
+def _store(blocks, since, step=35, issued=33):
+    ev = {"req": "r9", "blocks": blocks, "issued": issued, "since": since}
+    return ("offload", step, "store_content", ev)
+
+
+def _foreign(step, blocks):
+    return ("table_integrity", step, "foreign_write", {"req": "long0", "blocks": blocks})
+
+
+def test_a_store_whose_blocks_a_planted_write_changed_in_flight_is_its_consequence():
+    """Soak seed 156: long0's spilled write landed in block 13 at step 33 while r9's store of it
+    was in flight (issued 33, completed 35): the host copy differs, the overflow's doing. A write
+    before the copy was taken, into another block, or into one of two differing blocks only, is
+    no explanation: the run FAILs."""
+    v = decide(TIER, checks(_foreign(33, [13]), _store([13], [33])), OVERFLOW_AT_33, None)
+    assert v.verdict == PASS, v.summary
+    assert ("offload", 35, "table_overflow", "consequence") in v.credits
+    for bad in (
+        checks(_foreign(33, [12]), _store([13], [33])),  # another block
+        checks(_foreign(33, [13]), _store([13], [34], issued=34)),  # before the copy was taken
+        checks(_foreign(33, [13]), _store([13, 14], [33, 33])),  # 14 differs unexplained
+    ):
+        v = decide(TIER, bad, OVERFLOW_AT_33, None)
+        assert v.verdict == FAIL and "offload at step 35" in v.summary, v.summary
+
+
+def test_a_kept_host_copy_a_planted_write_made_stale_is_its_consequence():
+    """Soak seed 1307: nb1's restore landed at step 26 and its host copy was kept as current; a
+    spilled write into block 13 at step 33 made it stale, and the store at step 73 used it."""
+    kept = _store([13], [26], step=73, issued=73)
+    v = decide(TIER, checks(_foreign(33, [13]), kept), OVERFLOW_AT_33, None)
+    assert v.verdict == PASS and ("offload", 73, "table_overflow", "consequence") in v.credits
+    fresh = _store([13], [73], step=73, issued=73)  # copied at 73: a write at 33 is no cause
+    assert decide(TIER, checks(_foreign(33, [13]), fresh), OVERFLOW_AT_33, None).verdict == FAIL
+
+
+def test_a_leaked_requests_tier_map_is_the_leaks_consequence():
+    """Soak seed 1862: r1's cancel while restoring skipped the free; the manager still names the
+    device blocks its restore gave it, so the tier map has it stored out holding them."""
+    caught = ("block_accounting", 10, "leak", {"req": "r1"})
+    held = ("offload", 11, "tier_map", {"req": "r1", "blocks": [1, 2]})
+    v = decide(LEAK, checks(caught, held), FIRED_AT_10, None)
+    assert v.verdict == PASS and ("offload", 11, "refcount_leak", "consequence") in v.credits
+    other = ("offload", 11, "tier_map", {"req": "r1", "blocks": [1, 3]})  # 3 never leaked
+    assert decide(LEAK, checks(caught, other), FIRED_AT_10, None).verdict == FAIL

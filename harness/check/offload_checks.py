@@ -9,6 +9,9 @@ bandwidth, over several steps); the copy completed once every block it issued la
   device blocks, or one restored that still holds host slots.
 - store_content: a store's host copy of a block equals what the device block held when that
   block's copy completed (the block is still held, unwritten, until then): else it was read early.
+  Its evidence says since when each block's copy was taken as current: the store's issue, or the
+  restore it kept (a copy equal to what that restore wrote), so a write into the block since can
+  be named.
 - restore_content: a restore reads what the store copied (the host slot unchanged while held),
   and the device block it wrote holds that.
 - read_in_flight: a block read by the kernels while its restore was in flight (not landed).
@@ -43,6 +46,7 @@ def check_offload(events: list[dict]) -> CheckResult:
     # (served by a hit), is not a block handed on before the store completed
     held: dict[str, list[int]] = {}
     cache: dict = {}
+    restored: dict[str, dict] = {}  # req -> device block -> (crc, step) its last restore wrote
     for e in events:
         kind = e.get("e")
         if kind == "engine" and e["kind"] in KINDS:
@@ -62,7 +66,7 @@ def check_offload(events: list[dict]) -> CheckResult:
                 found += _restore_reads(step, d, was)
             else:
                 issued = flight.get(d["req"])
-                found += _landed(step, d, issued, stored)
+                found += _landed(step, d, issued, stored, restored)
                 if issued is not None and d["kind"] == "store":
                     slots.update(stored[d["req"]])
                 if issued is None or not issued["left"]:  # its last block landed
@@ -135,7 +139,7 @@ def _restore_reads(step: int, d: dict, stored: dict) -> list[Finding]:
     ]
 
 
-def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Finding]:
+def _landed(step: int, d: dict, issued: dict | None, stored: dict, restored: dict) -> list[Finding]:
     """Blocks of a copy landed: each against what its issue read (its pair's CRC there)."""
     req, out = d["req"], []
     if issued is None:
@@ -148,6 +152,14 @@ def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Findi
             issued["began"], stored[req] = True, {}
         stored[req].update({s: at[(b, s)] for (b, s), _ in mine})
         bad = [b for (b, s), c in mine if c != at[(b, s)]]
+        kept = restored.get(req, {})
+        copied = {b: at[(b, s)] for (b, s), _ in mine}
+        # per bad block: a copy equal to what the last restore wrote in it was kept since then
+        since = [
+            kept[b][1] if b in kept and kept[b][0] == copied[b] else issued["step"] for b in bad
+        ]
+        if not issued["left"]:
+            restored.pop(req, None)
         if bad:
             out.append(
                 _finding(
@@ -160,9 +172,13 @@ def _landed(step: int, d: dict, issued: dict | None, stored: dict) -> list[Findi
                     req=req,
                     blocks=bad,
                     issued=issued["step"],
+                    since=since,
                 )
             )
     else:
+        if not issued.get("began"):  # its first blocks landed: what this restore wrote
+            issued["began"], restored[req] = True, {}
+        restored[req].update({b: (c, step) for (_, b), c in mine})
         bad = [b for (s, b), c in mine if c != at[(s, b)]]
         if bad:
             out.append(

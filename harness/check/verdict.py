@@ -100,7 +100,32 @@ def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
             req = (d.get("evidence") or {}).get("req")
             names = {n for step, ex in reads.get(req, ()) if step <= d["step"] for n, _ in ex}
             e.extend((n, "consequence") for n in sorted(names))
+        elif d["checker"] == "offload" and d["kind"] == "store_content" and not e:
+            e.extend((n, "consequence") for n in _written_in_flight(d, dicts, out))
     return out
+
+
+def _written_in_flight(d: dict, dicts: list, out: list) -> list[str]:
+    """A store's host copy differs from its device blocks at completion because other requests
+    wrote them while the copy was taken as current (from the store's issue, or the restore whose
+    copy it kept): the faults those foreign writes are the cause of (table_integrity's findings),
+    when every differing block was so written; else none."""
+    ev = d.get("evidence") or {}
+    blocks = ev.get("blocks") or []
+    since = ev.get("since") or [ev.get("issued", d["step"])] * len(blocks)
+    writes = [
+        (w["step"], set((w.get("evidence") or {}).get("blocks") or ()), ex)
+        for w, ex in zip(dicts, out)
+        if w["checker"] == "table_integrity" and w["kind"] == "foreign_write"
+    ]
+    names: set[str] = set()
+    for b, lo in zip(blocks, since):
+        hits = [ex for t, bs, ex in writes if lo <= t <= d["step"] and b in bs]
+        by = {n for ex in hits for n, how in ex if how == "cause"}
+        if not by:
+            return []
+        names |= by
+    return sorted(names)
 
 
 def truth_problem(sc, verify) -> str | None:

@@ -44,7 +44,12 @@ MAX_FILE_BYTES = 1 << 20  # a scenario file is a few hundred bytes; /dev/zero is
 
 
 class ScenarioError(KVChaosError, ValueError):
-    """A scenario file is missing, unreadable or invalid."""
+    """A scenario file is missing, unreadable or invalid; param: the key it names (faults.0.params
+    .variant), where validation named one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_name(name: str) -> str:
@@ -344,7 +349,8 @@ def parse_scenario(data: dict, source: str = "<scenario>", device: str | None = 
         elif err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
             msg = f"{msg}, got {err.get('input')!r}"
         where = f"{_where(err['loc'])}: " if err["loc"] else ""  # top-level checks name their key
-        raise ScenarioError(f"{source}: {where}{msg}{more}") from None
+        param = _where(err["loc"]) if err["loc"] else None
+        raise ScenarioError(f"{source}: {where}{msg}{more}", param) from None
     from kvchaos.faults import (
         REGISTRY,
         ParamError,
@@ -356,12 +362,15 @@ def parse_scenario(data: dict, source: str = "<scenario>", device: str | None = 
         try:
             REGISTRY[f.name].check_params(f.params, sc.engine_config())
         except ParamError as e:
-            raise ScenarioError(f"{source}: faults.{i}.params.{e.key}: {e.reason}") from None
+            key = f"faults.{i}.params.{e.key}"
+            raise ScenarioError(f"{source}: {key}: {e.reason}", key) from None
     if sc.workload.lengths_file:
         try:
             read_lengths(sc.workload.lengths_file)
         except ScenarioError as e:
-            raise ScenarioError(f"{source}: workload.lengths_file: {e}") from None
+            raise ScenarioError(
+                f"{source}: workload.lengths_file: {e}", "workload.lengths_file"
+            ) from None
     sc.source = source
     return sc
 

@@ -22,9 +22,12 @@ declares it cannot do (the summary says what). Runs go --workers N at once on th
 as Ray tasks over a cluster (--executor ray, soak_ray.py): one ledger, one summary. --resume
 continues the ledger's latest soak: no seed run twice, none skipped.
 
+A seed whose own draw is invalid (the scenario it built fails validation) is the harness's
+ERROR: recorded with the seed, the param and the message, never run, and the soak goes on.
+
 Exit codes: 0 nothing unexpected (PASS / INCONCLUSIVE only), 10 MISSED, 11 FAIL,
 14 nondeterminism, 13 ERROR, 15 stopped at the disk cap (in that order of precedence),
-2 bad input.
+2 bad input (the user's: flags, --block-manager; at once, nothing run).
 
   kvchaos soak --budget 30m --device cuda --shard 1/4 --per-run-timeout 120 --max-disk 2GB
   kvchaos soak --budget 8h --block-manager mypkg.bm:MyManager --executor ray --ray-address HOST:6379
@@ -60,6 +63,7 @@ from kvchaos.harness.tools.soak_exec import (
     Context,
     LocalExecutor,
     attempt,
+    invalid_result,
     lost_result,
     make_job,
     replay_one,
@@ -314,7 +318,10 @@ class Soak(Tally):
                     job = self._job(k)
                     job["replay"] = self.replay_due or k % REPLAY_EVERY == 0
                     self.replay_due = self.replay_due and not job["replay"]
-                    self.executor.submit(job)
+                    if job.get("invalid"):  # the soak's own draw: its ERROR, and on to the next
+                        self._settle(job, invalid_result(job))
+                    else:
+                        self.executor.submit(job)
                     submitted += 1
                     k = self._next_k(k + 1)
                 if not self.executor.in_flight():

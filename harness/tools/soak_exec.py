@@ -37,14 +37,49 @@ class Context:
 
 def make_job(k: int, seed_start: int, shard, fit: Fit | None, hang_every: int | None) -> dict:
     """The soak's k-th run: its seed, the scenario the seed draws (checked: the generator's
-    output must be valid), whether its worker is made to hang (--inject-hang-every)."""
+    output must be valid; one that is not is the harness's own error, the job's "invalid":
+    the soak records it as that seed's ERROR and goes on), whether its worker is made to hang
+    (--inject-hang-every)."""
+    from kvchaos.engine.errors import KVChaosError
     from kvchaos.harness.scenario.spec import parse_scenario
 
     seed = shard_seed(seed_start, k, shard)
-    data = generate_scenario(seed, fit)
-    parse_scenario(data, f"<soak seed {seed}>")
     hang = hang_every is not None and (k + 1) % hang_every == 0
-    return {"k": k, "seed": seed, "scenario": data, "hang": hang, "replay": False, "attempt": 1}
+    job = {"k": k, "seed": seed, "hang": hang, "replay": False, "attempt": 1}
+    try:
+        job["scenario"] = data = generate_scenario(seed, fit)
+        parse_scenario(data, f"<soak seed {seed}>")
+    except (KVChaosError, ValueError) as e:  # ValueError: a ParamError, or the draw's own
+        job.setdefault("scenario", _undrawn(seed))
+        param = getattr(e, "param", None) or getattr(e, "key", None) or "-"
+        job["invalid"] = {"seed": seed, "param": param, "message": str(e)}
+    return job
+
+
+def _undrawn(seed: int) -> dict:
+    """What the ledger keeps of a seed whose draw raised before it made a scenario."""
+    return {"scenario": {"name": f"soak-{seed}", "description": f"soak seed {seed}: no draw"}}
+
+
+def invalid_result(job: dict) -> dict:
+    """A seed whose own draw failed validation: the harness's ERROR, in the ledger and the
+    summary's unexpected runs as any other, never run (no folder: no incident to replay, as a
+    lost run's)."""
+    bad = job["invalid"]
+    why = bad["message"].removeprefix(f"<soak seed {bad['seed']}>: ")
+    why = why.removeprefix(f"{bad['param']}: ")
+    return {
+        "run_dir": None,
+        "verdict": ERROR,
+        "summary": f"the soak's own draw for seed {bad['seed']} is invalid, {bad['param']}: {why}",
+        "steps": 0,
+        "digest": None,
+        "command": "",
+        "fingerprints": [],
+        "ended": None,
+        "cut": False,
+        "node": None,
+    }
 
 
 def limit(ctx: Context) -> tuple[float, bool]:

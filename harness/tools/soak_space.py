@@ -126,6 +126,16 @@ SPACE = {
     # tier scenario (harness/tools/soak_tier.py) instead of a mix: every other seed stays
     "offload": {
         "probability": 0.15,
+        # this share of them (a stream of their own) draw count of these failure modes beside
+        # the tier's, in all but these variants: the tier has no prefix cache (the prefix-caching
+        # manager has no host tier: not prefix_cache, nor leak retry), so no writer record
+        # (kv_reads, scrambled's catch in time), and its workload no forks (cow_lag)
+        "mix": {
+            "share": 0.5,
+            "count": (1, 2),
+            "faults": ["table_overflow", "refcount_leak", "ordering_race", "async_free"],
+            "left_out": {"refcount_leak": ["retry"], "ordering_race": ["cow_lag", "scrambled"]},
+        },
         "variant": ["store_before_compute", "restore_race", "stale_host", "host_slot_freed"],
         "load_abort": 0.25,  # async_free's abort during a restore beside it, this share
         "block_size": [2, 4, 8],
@@ -227,7 +237,7 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
 
     tier = random.Random(f"{seed}/soak/offload")
     if fit is None and tier.random() < SPACE["offload"]["probability"]:
-        return soak_tier.tier_scenario(seed, tier, SPACE["offload"], _draw)
+        return soak_tier.tier_scenario(seed, tier, SPACE, _draw)
     rng = random.Random(f"{seed}/soak")
     e, w = SPACE["engine"], SPACE["workload"]
     faults = []

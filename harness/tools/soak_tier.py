@@ -2,7 +2,9 @@
 stands for one of these instead of a mix, shaped as the built-in offload scenarios are: the
 plain reference manager (the tier is its capability), sessions that pause long enough to go
 cold, a pool the requests outgrow (preemptions store out), the offload fault's variant, and
-sometimes async_free's abort while a restore is in flight."""
+sometimes async_free's abort while a restore is in flight. A share of them (own stream: the
+others stay as they were) also draw one or two of the other failure modes beside the tier's,
+each planted or remediated on its own, fitted as a mix's (soak_fits.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import random
 from collections.abc import Callable
 
 
-def tier_scenario(seed: int, r: random.Random, spec: dict, draw: Callable) -> dict:
-    """The scenario dict (the TOML file's shape) of a tier seed; r: the tier's own stream."""
+def tier_scenario(seed: int, r: random.Random, space: dict, draw: Callable) -> dict:
+    """The scenario dict (the TOML file's shape) of a tier seed; r: the tier's own stream,
+    space: the soak's SPACE (its "offload" the tier's ranges, its "faults" a mix's)."""
     from kvchaos.faults import REGISTRY
 
+    spec = space["offload"]
     bs = draw(r, spec["block_size"])
     prompt, out = draw(r, spec["prompt_max"]), draw(r, spec["output_max"])
     width = -(-(prompt + out) // bs) + 2  # every request fits a row
@@ -56,6 +60,10 @@ def tier_scenario(seed: int, r: random.Random, spec: dict, draw: Callable) -> di
             "think_steps": {"dist": "uniform", "min": max(1, think // 2), "max": think},
         },
     }
+    m = random.Random(f"{seed}/soak/offload/mix")
+    if m.random() < spec["mix"]["share"]:
+        _mix(m, engine, workload, faults, space, draw)
+        engine["offload"]["host_blocks"] = 6 * engine["cache"]["num_blocks"]  # as fitted
     planted = [f for f in faults if f["defect"]]
     expect: dict = {"outcome": "clean"}
     if planted:
@@ -63,7 +71,7 @@ def tier_scenario(seed: int, r: random.Random, spec: dict, draw: Callable) -> di
         expect = {
             "outcome": "detect",
             "checkers": sorted(checkers),
-            "within_steps": {f["name"]: 2 for f in planted},
+            "within_steps": {f["name"]: space["within_steps"][f["name"]] for f in planted},
         }
     mix = ", ".join(f"{f['name']} ({'defect' if f['defect'] else 'trigger'})" for f in faults)
     return {
@@ -78,3 +86,57 @@ def tier_scenario(seed: int, r: random.Random, spec: dict, draw: Callable) -> di
         "faults": faults,
         "expect": expect,
     }
+
+
+def _mix(r: random.Random, engine: dict, workload: dict, faults: list, space: dict, draw) -> None:
+    """One or two of the failure modes the tier runs beside (SPACE["offload"]["mix"]), each with
+    its params as a mix draws them and planted on its own, fitted so the draw is valid."""
+    from kvchaos.harness.tools import soak_fits
+
+    spec = space["offload"]["mix"]
+    can = [n for n in spec["faults"] if n not in {f["name"] for f in faults}]
+    names = set(r.sample(can, min(len(can), draw(r, spec["count"]))))
+    added = {}
+    for name in (n for n in spec["faults"] if n in names):  # in the mix's order
+        ranges = space["faults"][name]
+        params = {k: draw(r, v) for k, v in ranges.items() if k != "variant"}
+        v = _variant(r, name, space, draw)
+        params = v if name == "refcount_leak" and v else params | v  # a leak class: its own
+        added[name] = {"name": name, "defect": r.random() < space["defect_probability"]}
+        added[name]["params"] = params
+    faults += added.values()
+    engine["tp_size"] = 2 if "ordering_race" in added else 1
+    if "table_overflow" in added:
+        soak_fits.fit_table_overflow(engine, added["table_overflow"])
+    if "variant" in added.get("ordering_race", {}).get("params", {}):
+        fault = added["ordering_race"]
+        fault["params"].update(space["ordering_race_variants"][fault["params"]["variant"]])
+    if "async_free" in added:
+        soak_fits.fit_async_free(engine, workload, added["async_free"], False)
+    if "variant" in added.get("refcount_leak", {}).get("params", {}):
+        soak_fits.fit_leak_variant(engine, added["refcount_leak"])
+    preempts = {("async_free", "preempt"), ("refcount_leak", "preempted")}
+    if any((f["name"], f["params"].get("variant")) in preempts for f in faults):
+        engine["offload"]["preempt"] = False  # a preemption releases (else it stores out)
+
+
+def _variant(r: random.Random, name: str, space: dict, draw) -> dict:
+    """The fault's variant (its params over the drawn ones), among those the tier runs with: no
+    prefix cache (it has no host tier), no forks (cow_lag), the default's share as a mix's."""
+    out = space["offload"]["mix"]["left_out"].get(name, ())
+    if name == "refcount_leak":
+        spec = space["leak_variant"]
+        if r.random() < spec["any"]:
+            return {}
+        v = r.choice([v for v in spec["variant"] if v not in out])
+        return {"variant": v, "cancels": draw(r, spec["cancels"])}
+    if name == "table_overflow":
+        if r.random() < space["table_overflow_default_share"]:
+            return {}
+        geo = space["table_overflow_geometry"]
+        v = r.choice(space["faults"][name]["variant"])
+        return {"variant": r.choice(geo["variant"]) if r.random() < geo["share"] else v}
+    if name == "ordering_race":  # the default (the first) as the mix leaves it: no param
+        v = r.choice([v for v in space["ordering_race_variants"] if v not in out])
+        return {} if v == next(iter(space["ordering_race_variants"])) else {"variant": v}
+    return {"variant": r.choice([v for v in space["faults"][name]["variant"] if v not in out])}
