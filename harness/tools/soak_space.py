@@ -127,14 +127,21 @@ SPACE = {
     "offload": {
         "probability": 0.15,
         # this share of them (a stream of their own) draw count of these failure modes beside
-        # the tier's, in all but these variants: the tier has no prefix cache (the prefix-caching
-        # manager has no host tier: not prefix_cache, nor leak retry), so no writer record
-        # (kv_reads, scrambled's catch in time), and its workload no forks (cow_lag)
+        # the tier's, in all but these variants: its workload has no forks (cow_lag); without a
+        # prefix cache no writer record (kv_reads, scrambled's catch in time) and no leak retry.
+        # This share of the mixes run on the prefix-caching reference, prompts sharing system
+        # prompts (a prefix hit may find its blocks on the host tier alone), prefix_cache a
+        # failure mode they may draw
         "mix": {
             "share": 0.5,
             "count": (1, 2),
             "faults": ["table_overflow", "refcount_leak", "ordering_race", "async_free"],
             "left_out": {"refcount_leak": ["retry"], "ordering_race": ["cow_lag", "scrambled"]},
+            "prefix": 0.5,
+            "prefix_faults": ["prefix_cache"],
+            "prefix_share": 0.5,  # of those, beside the others
+            "prefix_left_out": {"ordering_race": ["cow_lag"]},
+            "prefix_len": (8, 24),
         },
         "variant": ["store_before_compute", "restore_race", "stale_host", "host_slot_freed"],
         "load_abort": 0.25,  # async_free's abort during a restore beside it, this share

@@ -62,7 +62,7 @@ def tier_scenario(seed: int, r: random.Random, space: dict, draw: Callable) -> d
     }
     m = random.Random(f"{seed}/soak/offload/mix")
     if m.random() < spec["mix"]["share"]:
-        _mix(m, engine, workload, faults, space, draw)
+        _mix(seed, m, engine, workload, faults, space, draw)
         engine["offload"]["host_blocks"] = 6 * engine["cache"]["num_blocks"]  # as fitted
     planted = [f for f in faults if f["defect"]]
     expect: dict = {"outcome": "clean"}
@@ -88,26 +88,43 @@ def tier_scenario(seed: int, r: random.Random, space: dict, draw: Callable) -> d
     }
 
 
-def _mix(r: random.Random, engine: dict, workload: dict, faults: list, space: dict, draw) -> None:
+def _mix(
+    seed: int, r: random.Random, engine: dict, workload: dict, faults: list, space: dict, draw
+) -> None:
     """One or two of the failure modes the tier runs beside (SPACE["offload"]["mix"]), each with
     its params as a mix draws them and planted on its own, fitted so the draw is valid."""
     from kvchaos.harness.tools import soak_fits
 
     spec = space["offload"]["mix"]
+    p = random.Random(f"{seed}/soak/offload/prefix")  # its own stream: the mixes stay as drawn
+    prefix = p.random() < spec["prefix"]
+    left_out = spec["prefix_left_out" if prefix else "left_out"]
+    if prefix:  # the prefix-caching reference, its host tier a prefix cache too
+        shared = draw(p, spec["prefix_len"])
+        engine["cache"]["prefix_caching"] = True
+        engine["cache"]["max_blocks_per_seq"] += -(-shared // engine["cache"]["block_size"])
+        len_ = {"dist": "uniform", "min": max(1, shared // 2), "max": shared}
+        workload["prefix"] = {"groups": 2, "prefix_len": len_, "share": 0.7}
     can = [n for n in spec["faults"] if n not in {f["name"] for f in faults}]
     names = set(r.sample(can, min(len(can), draw(r, spec["count"]))))
+    if prefix and p.random() < spec["prefix_share"]:
+        names.add("prefix_cache")
+    order = spec["faults"] + spec["prefix_faults"]
     added = {}
-    for name in (n for n in spec["faults"] if n in names):  # in the mix's order
+    for name in (n for n in order if n in names):  # in the mix's order
+        q = p if name == "prefix_cache" else r
         ranges = space["faults"][name]
-        params = {k: draw(r, v) for k, v in ranges.items() if k != "variant"}
-        v = _variant(r, name, space, draw)
+        params = {k: draw(q, v) for k, v in ranges.items() if k != "variant"}
+        v = _variant(q, name, space, draw, left_out)
         params = v if name == "refcount_leak" and v else params | v  # a leak class: its own
-        added[name] = {"name": name, "defect": r.random() < space["defect_probability"]}
+        added[name] = {"name": name, "defect": q.random() < space["defect_probability"]}
         added[name]["params"] = params
     faults += added.values()
     engine["tp_size"] = 2 if "ordering_race" in added else 1
     if "table_overflow" in added:
         soak_fits.fit_table_overflow(engine, added["table_overflow"])
+    if "prefix_cache" in added:
+        soak_fits.fit_prefix_cache(engine, workload, added["prefix_cache"])
     if "variant" in added.get("ordering_race", {}).get("params", {}):
         fault = added["ordering_race"]
         fault["params"].update(space["ordering_race_variants"][fault["params"]["variant"]])
@@ -120,10 +137,10 @@ def _mix(r: random.Random, engine: dict, workload: dict, faults: list, space: di
         engine["offload"]["preempt"] = False  # a preemption releases (else it stores out)
 
 
-def _variant(r: random.Random, name: str, space: dict, draw) -> dict:
-    """The fault's variant (its params over the drawn ones), among those the tier runs with: no
-    prefix cache (it has no host tier), no forks (cow_lag), the default's share as a mix's."""
-    out = space["offload"]["mix"]["left_out"].get(name, ())
+def _variant(r: random.Random, name: str, space: dict, draw, left_out: dict) -> dict:
+    """The fault's variant (its params over the drawn ones), among those the tier runs with
+    (left_out: the others), the default's share as a mix's."""
+    out = left_out.get(name, ())
     if name == "refcount_leak":
         spec = space["leak_variant"]
         if r.random() < spec["any"]:
