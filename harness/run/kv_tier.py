@@ -11,15 +11,21 @@ that one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvchaos.harness.run.kv_record import RankRecords
 
 KINDS = frozenset({"offload_store", "offload_restore", "offload_landed", "offload_late"})
 
 
 class TierRecord:
-    def __init__(self, kv: RankRecords, tier) -> None:
+    def __init__(self, kv: RankRecords, tier, pool_blocks: Callable[[], int]) -> None:
         self.kv = kv
         self.tier = tier  # the engine's HostTier: which of a store's blocks were kept copies
+        # the KV pool's blocks: a block past a pool sized short is read and written where the
+        # copies' raw addresses land (engine/offload.py at), as the record's writes are (asked
+        # each copy: a planted geometry defect sizes the pool after the record is built)
+        self.pool = pool_blocks
         self.host: dict[int, dict[int, list]] = {0: {}}  # rank -> host slot -> its slots' rows
         self.kept: dict[str, dict[int, dict[int, list]]] = {}  # req -> index -> rank -> rows
         self.loads: dict[str, dict[int, list]] = {}  # req -> rank -> [(device block, rows)]
@@ -31,7 +37,7 @@ class TierRecord:
         return own[s] if own is not None and s in own else self.host[0].get(s)
 
     def on(self, kind: str, d: dict) -> None:
-        req, records = d["req"], self.kv.records
+        req, records, pool = d["req"], self.kv.records, self.pool()
         if kind == "offload_store":
             kept = next((k for q, k in reversed(self.tier.reused) if q == req), ())
             mine = self.kept.pop(req, {})
@@ -39,7 +45,7 @@ class TierRecord:
                 host = self.host.setdefault(r, {})
                 for i, (b, s) in enumerate(d["pairs"]):
                     rows = mine.get(i, {}).get(r) if i in kept else None
-                    host[s] = rows if rows is not None else rec.rows(b)
+                    host[s] = rows if rows is not None else rec.rows(b % pool)
         elif kind == "offload_restore":
             self.loads[req] = {r: [(b, self._slot(r, s)) for s, b in d["pairs"]] for r in records}
             self.landed.pop(req, None)
@@ -55,7 +61,7 @@ class TierRecord:
             for r, rec in records.items():
                 for b, rows in loads.get(r, loads[0]):
                     if rows is not None and b in now:
-                        rec.put(b, rows)
+                        rec.put(b % pool, rows)
             landed = self.landed.setdefault(req, set())
             landed |= now
             if not landed >= {b for b, _ in loads[0]}:

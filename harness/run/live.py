@@ -199,7 +199,8 @@ class LiveRun:
             e.seams.on_upload = on_upload
         if self.observe and "prefix_cache" in e.capabilities:  # reads of KV other requests wrote
             self.kv = RankRecords(e.bm.num_blocks, e.bm.block_size, len(e.ranks.ranks))
-            self.kv_tier = TierRecord(self.kv, e.tier) if e.tier is not None else None
+            pool = lambda: e.kv_pools[0].shape[2]  # noqa: E731
+            self.kv_tier = TierRecord(self.kv, e.tier, pool) if e.tier is not None else None
             self.cache_watch = CacheWatch(e.bm.block_size)
             e.seams.on_batch = self.kv.on_batch
             self.h.append({"e": "kv_record", "step": 0, "ranks": len(e.ranks.ranks)})
