@@ -97,6 +97,10 @@ class HostTier:
     reused: list[tuple[str, list[int]]] = field(default_factory=list)  # this step's stores'
     # this step: sequences computed while their restore was in flight (req, blocks, issued)
     reads: list[tuple[str, list[int], int]] = field(default_factory=list)
+    # every device block a copy in wrote, in the run (step, req, blocks, "restore" | "hit" |
+    # "late"): a restore's or a hit's load landing, or a released request's load landing late
+    # (writes no batch records; in logical order)
+    landings: list[tuple[int, str, list[int], str]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -294,6 +298,8 @@ class TierSteps:
                 for dev, host in zip(self.kv_pools, tier.pools):
                     for s, b in part:
                         dev[:, :, at(dev, b)] = host[:, :, s]
+            how = "hit" if c.hit else "restore"
+            tier.landings.append((step, c.req, [b for _, b in part], how))
             for i in range(first, k):  # (a hit's slots are the cache's: none kept)
                 c.read[i] = [h[:, :, c.pairs[i][0]].clone() for h in tier.pools]
             if done and not c.hit:  # its own host copy, kept valid
@@ -377,6 +383,7 @@ class TierSteps:
             for dev, kv in zip(self.kv_pools, content):
                 into = [at(dev, b) for b in blocks]
                 dev[:, :, into] = kv if (first, k) == (0, len(c.pairs)) else kv[:, :, first:k]
+            tier.landings.append((step, c.req, blocks, "late"))
             held = {str(b): holders(self.table, b) for b in blocks}
             ev = OffloadLate(req=c.req, issued=c.issued, blocks=blocks, holders=held)
             tier.late.append(ev)

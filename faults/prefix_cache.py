@@ -245,6 +245,10 @@ class PrefixCache(Fault):
         self.tainted_blocks: list[dict] = []  # ... those blocks, keyed at step
         self.admitting: tuple[str | None, list] = (None, [])  # (defect) the latest admission
         self.seen = 0  # sequences looked at for forks of a victim
+        # (a host tier) the logical blocks each victim was served wrong, which a store takes
+        # out and a restore copies back in; wrong reads and landings looked at
+        self.wrong_idx: dict[str, set[int]] = {}
+        self.indexed, self.followed = (0, 0), 0
         m = self.manager = getattr(engine.bm, "manager", engine.bm)
         pool = self.pool = getattr(m, "pool", None)
         if not isinstance(m, PrefixCachingManager) or not isinstance(pool, PrefixBlockPool):
@@ -362,6 +366,8 @@ class PrefixCache(Fault):
 
     def after_step(self, engine, step: int, output) -> None:
         m = self.manager
+        if self.defect and self.p["variant"] == "stale_revive" and self.kept:
+            self._landed_over()  # (a step that computed nothing has no end_step)
         for x in self.evicted_held:
             if x["taker"] is None and x["step"] == step:  # who took it: one not holding it before
                 b = x["block"]
@@ -379,15 +385,48 @@ class PrefixCache(Fault):
                     self.wrong_hits.append(hit)
                     self._victim(s, step, len(m.blocks[s]))
         self.seen = len(engine.seqs)
+        if getattr(engine, "tier", None) is not None:
+            self._follow_restores(engine)
+
+    def _follow_restores(self, engine) -> None:
+        """A victim stored out and restored reads on what it was served: the blocks its restore
+        copied in at the logical blocks it was served wrong (its host copy of them) are its
+        wrong reads too, from their landing. Those logical blocks are taken where the victim
+        holds the wrong blocks at the step it was served them."""
+        m, tier = self.manager, engine.tier
+        for step, q, blocks, how in tier.landings[self.followed :]:
+            idx, held = self.wrong_idx.get(q), m.blocks.get(q)
+            if how != "restore" or not idx or not held:
+                continue
+            new = [b for b in blocks if b in held and held.index(b) in idx]
+            if new:
+                self.wrong_hits.append({"step": step, "req": q, "blocks": new, "why": "restored"})
+        self.followed = len(tier.landings)
+        w, e = self.indexed
+        served = [(x["req"], x["blocks"]) for x in self.wrong_hits[w:]]
+        served += [(h, [x["block"]]) for x in self.evicted_held[e:] for h in x["holders"]]
+        for q, bad in served:
+            held = m.blocks.get(q, ())
+            self.wrong_idx.setdefault(q, set()).update(i for i, b in enumerate(held) if b in bad)
+        self.indexed = (len(self.wrong_hits), len(self.evicted_held))
+        host = getattr(m, "host_slots", {})
+        for q in [q for q in self.wrong_idx if q not in m.blocks and q not in host]:
+            del self.wrong_idx[q]  # released: readmitted, it is served anew
 
     def _end_step(self) -> None:
         """Once the step's KV is written and its blocks keyed, before any release (so each
         writer still holds its blocks)."""
         self._taint()
         if self.p["variant"] == "stale_revive" and self.kept:
+            self._landed_over()
             over = self.kept.written_over()
             if over:
                 self._bad_entries(self.engine.step_count, "kept_key", over)
+
+    def _landed_over(self) -> None:
+        """(stale_revive) kept entries a copy in from the host tier wrote over, at its step."""
+        for step, blocks in self.kept.landed_over().items():
+            self._bad_entries(step, "kept_key", blocks)
 
     def _taint(self) -> None:
         """The blocks each victim keyed since its wrong read hold KV computed from wrong KV."""

@@ -4,8 +4,11 @@ yet (with async scheduling its KV lands a step later), wrote the same tokens aft
 prefix, or its writes went astray (another fault's table misread). So an entry goes bad at the
 step a write lands in its block with other KV, on a rank where it was still right (the engine's
 record of the blocks each sequence's writes landed in, engine.written, read at end_step while
-every writer still holds its blocks). An entry another fault's stray write spoiled while cached
-misnamed its KV there before this defect kept it: not this defect's on that rank."""
+every writer still holds its blocks). A copy in from the host tier writes too, every rank, with
+no batch (engine/offload.py landings): a restore or a hit's load landing in a kept entry's block
+(its new owner's blocks) with other KV spoils it at the step it landed, as a late load landing in
+a block its request no longer holds does. An entry another fault's stray write spoiled while
+cached misnamed its KV there before this defect kept it: not this defect's on that rank."""
 
 from __future__ import annotations
 
@@ -18,9 +21,45 @@ class KeptEntries:
         self.kept: dict = {}
         self.spoiled: dict = {}  # (block, key) -> ranks where a write spoiled it while cached
         self.looked = None  # the engine's record of writes last looked at
+        self.landings = 0  # the host tier's copies in looked at (engine.tier.landings)
+        self.landed: dict[int, int] = {}  # block of a kept entry a copy in spoiled -> the step
+
+    def _land(self) -> None:
+        """The copies in from the host tier since last looked: each block a kept entry names
+        that one wrote with other KV is bad from the step it landed; a cached entry's, spoiled
+        while cached (not this defect's). In order, before any later keep."""
+        tier, pool = getattr(self.engine, "tier", None), self.pool
+        if tier is None or len(tier.landings) == self.landings:
+            return
+        ranks = set(range(len(self.engine.ranks.ranks)))
+        for step, q, blocks, _ in tier.landings[self.landings :]:
+            for b in blocks:
+                k = pool.key[b]
+                if k is None or b in self.landed:
+                    continue
+                x = self.kept.get(k)
+                if x is not None and x[0] == b:
+                    if not self._same_kv(q, b, x[1], x[2]):
+                        self.landed[b] = step
+                elif not self._same_kv(q, b, pool.parent[b], pool.tokens[b]):
+                    self.spoiled.setdefault((b, k), set()).update(ranks)
+        self.landings = len(tier.landings)
+
+    def landed_over(self) -> dict[int, list[int]]:
+        """Per step, the blocks of kept entries a copy in from the host tier gave other KV than
+        the entry names (let go, as written_over's)."""
+        self._land()
+        out: dict[int, list[int]] = {}
+        for b, step in sorted(self.landed.items()):
+            out.setdefault(step, []).append(b)
+        for k in [k for k, x in self.kept.items() if x[0] in self.landed]:
+            del self.kept[k]
+        self.landed = {}
+        return out
 
     def keep(self, b: int) -> None:
         """allocate handed out cached block b with its key kept (the pool's entry, as it was)."""
+        self._land()  # (a late load may have spoiled it while cached)
         pool, e = self.pool, self.engine
         k = pool.key[b]
         spoiled = self.spoiled.pop((b, k), set())
@@ -29,7 +68,8 @@ class KeptEntries:
 
     def intact(self) -> set[int]:
         """The blocks of kept entries whose KV is still the one their key names."""
-        return {x[0] for x in self.kept.values()}
+        self._land()
+        return {x[0] for x in self.kept.values() if x[0] not in self.landed}
 
     def written_over(self) -> list[int]:
         """The blocks of kept entries this step's writes gave other KV than the entry names:

@@ -15,7 +15,7 @@ from kvchaos.engine.block_pool import PrefixBlockPool
 from kvchaos.faults import REGISTRY, make_fault
 from kvchaos.faults.base import ParamError
 from kvchaos.faults.plan import Plan
-from kvchaos.faults.prefix_cache import PrefixCache, weak_hash
+from kvchaos.faults.prefix_cache import BAD_ENTRIES, PrefixCache, weak_hash
 from kvchaos.harness.report.incident import build_incidents
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import ScenarioError, load_scenario, parse_scenario
@@ -339,3 +339,34 @@ def test_stale_revive_fires_when_a_kept_key_s_block_is_written_over(seed):
     kept = [x for x in truth["bad_entries"] if x["why"].startswith("re-allocated")]
     assert kept and truth["first_step"] == min(x["step"] for x in kept)
     assert r.results["time_to_detect_steps"]["prefix_cache"] <= 2
+
+
+@pytest.mark.parametrize(
+    "seed, step, block, restored",
+    [
+        (1521, 10, 27, False),  # r0's restore (unwritten: async_free staging) in a kept key
+        (1115, 10, 30, True),  # r0's restore in pc0f0's kept keys; r7 restored its wrong hit
+        (1773, 12, 36, True),
+    ],
+)
+def test_stale_revive_sees_the_host_tier_s_copies_in(seed, step, block, restored):
+    """Soak seeds 1521, 1115, 359, 905 and 1773 (the prefix-caching reference with a host tier)
+    FAILed: a restore's new device blocks came from allocate with their keys kept, and the copy
+    in landed the restored request's KV there, other KV than the keys name, written by no batch
+    (the truth read only the engine's record of a batch's writes). Now a copy in is a write, at
+    the step it landed. And a victim stored out and restored reads its wrong hit's KV on from
+    the blocks its restore copied in (1115's r7, read at step 28)."""
+    from kvchaos.harness.tools.soak_space import generate_scenario
+
+    sc = parse_scenario(generate_scenario(seed), f"<soak {seed}>")
+    r = run_scenario(sc, seed, "cpu", None)
+    assert r.verdict == "PASS", r.summary
+    truth = r.results["fault_verify"]["prefix_cache"]
+    assert {"step": step, "block": block, "why": BAD_ENTRIES["kept_key"]} in truth["bad_entries"]
+    found = [
+        f
+        for f in r.findings
+        if f.checker == "prefix_cache" and f.step == step and f.evidence.get("block") == block
+    ]
+    assert found and found[0].kind == "cache_content"
+    assert any(x["why"] == "restored" for x in truth["wrong_hits"]) == restored
