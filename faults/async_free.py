@@ -324,6 +324,11 @@ class AsyncFree(Fault):
         if checker == "kv_reads":
             if kind == "wrong_read" and ev.get("writer") in writers and ev.get("block") in blocks:
                 return "cause"
+            # the late write itself (its writer, as it landed), where a host tier's store and
+            # restore, or a prefix hit's load, carried it since: the record follows the KV
+            late = {(x["req"], x["step"]) for x in landed}
+            if kind == "wrong_read" and (ev.get("writer"), ev.get("writer_step")) in late:
+                return "cause"
             return "consequence" if ev.get("origin") in victims else None
         if checker == "oracle_divergence" and kind == "divergence":
             return "cause" if ev.get("req") in victims else None

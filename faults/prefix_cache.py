@@ -463,7 +463,11 @@ class PrefixCache(Fault):
         read = _wrong_reads(truth, s)  # victim -> blocks it was served wrong, by step s
         if checker == "kv_reads":
             if kind in ("wrong_read", "unwritten_read"):
-                return "cause" if ev.get("block") in read.get(ev.get("req"), ()) else None
+                if ev.get("block") in read.get(ev.get("req"), ()):
+                    return "cause"
+                # the taker's KV, written over the victim's block once handed: the record
+                # follows it where a host tier's store and restore carried it since
+                return "cause" if _taker_read(truth, ev, s) else None
             return "consequence" if kind == "poisoned_read" and ev.get("origin") in read else None
         if checker == "oracle_divergence" and kind == "divergence":
             if ev.get("req") in read:
@@ -491,6 +495,18 @@ class PrefixCache(Fault):
             if kind in ("free_referenced", "refcount", "shared_write"):
                 return "cause" if named and named <= set(queued) | set(handed) else None
         return None
+
+
+def _taker_read(truth: dict, ev: dict, step: int) -> bool:
+    """ev's reader held a block allocate handed to another request, and read KV that taker
+    wrote from then on (the writer record's writer and writer_step)."""
+    w, at, req = ev.get("writer"), ev.get("writer_step"), ev.get("req")
+    if w is None or at is None:
+        return False
+    return any(
+        x["step"] <= min(at, step) and x.get("taker") == w and req in x["holders"]
+        for x in truth.get("evicted_held", [])
+    )
 
 
 def _wrong_reads(truth: dict, step: int) -> dict[str, set[int]]:

@@ -257,7 +257,10 @@ def _unslotted_writes(events: list[dict]) -> list[Finding]:
                 step=e["step"],
                 message=f"request {e['req']} wrote position {pos}{more} with no slot reserved: "
                 f"{how} (rank {', '.join(map(str, ranks))})",
-                evidence={k: e[k] for k in ("req", "positions", "ranks", "via", "slots_held")},
+                evidence={
+                    **{k: e[k] for k in ("req", "positions", "ranks", "via", "slots_held")},
+                    **({"blocks": e["blocks"]} if "blocks" in e else {}),
+                },
                 manifest=False,
                 kind="unslotted_write",
             )

@@ -108,15 +108,16 @@ def attribute(sc, findings: list, verify: dict) -> list[list[tuple[str, str]]]:
 def _written_in_flight(d: dict, dicts: list, out: list) -> list[str]:
     """A store's host copy differs from its device blocks at completion because other requests
     wrote them while the copy was taken as current (from the store's issue, or the restore whose
-    copy it kept): the faults those foreign writes are the cause of (table_integrity's findings),
-    when every differing block was so written; else none."""
+    copy it kept): the faults those foreign writes, or writes through an unused entry landing in
+    the block, are the cause of (table_integrity's findings), when every differing block was so
+    written; else none."""
     ev = d.get("evidence") or {}
     blocks = ev.get("blocks") or []
     since = ev.get("since") or [ev.get("issued", d["step"])] * len(blocks)
     writes = [
         (w["step"], set((w.get("evidence") or {}).get("blocks") or ()), ex)
         for w, ex in zip(dicts, out)
-        if w["checker"] == "table_integrity" and w["kind"] == "foreign_write"
+        if w["checker"] == "table_integrity" and w["kind"] in ("foreign_write", "unslotted_write")
     ]
     names: set[str] = set()
     for b, lo in zip(blocks, since):

@@ -265,7 +265,7 @@ class TierRead(TypedDict):
     issued: int  # the step the restore was issued at
 
 
-class UnslottedWrite(TypedDict):
+class _UnslottedWrite(TypedDict):
     e: Literal["unslotted_write"]  # positions whose KV was written with no slot reserved
     step: int
     req: str
@@ -274,6 +274,10 @@ class UnslottedWrite(TypedDict):
     via: Literal["past_blocks", "unused_entry"]  # past the blocks it holds; a -1 table entry
     slots_held: int | None  # slots its blocks give it, by this step's snapshot (None: none)
     entry: int  # the row entry the first position was written through
+
+
+class UnslottedWrite(_UnslottedWrite, total=False):
+    blocks: list[int]  # where writes through an unused entry landed: the pool's last block
 
 
 class Oracle(TypedDict):

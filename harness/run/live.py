@@ -159,6 +159,8 @@ class LiveRun:
         table ("unused_entry"), whose write lands in the pool's last block."""
         e, bs = self.engine, self.engine.bm.block_size
         found: dict[str, dict[int, set[int]]] = {}  # req -> position -> ranks
+        last = [e.kv_pools[0].shape[2] - 1] if e.kv_pools else []  # where a -1 entry lands
+        through = {req for req, _, _ in e.unslotted}
         for req, pos, rank in e.unslotted:
             found.setdefault(req, {}).setdefault(pos, set()).add(rank)
         held = {} if snap is None else snap.seq_blocks
@@ -181,6 +183,7 @@ class LiveRun:
                     else "unused_entry",  # fmt: skip
                     "slots_held": slots,
                     "entry": positions[0] // bs,
+                    **({"blocks": last} if req in through else {}),
                 }
             )
 
