@@ -103,8 +103,9 @@ class Scheduler:
             self.preempt(victim)
             decode, prefill, more = self._plan()
             preempted = preempted + [victim.id] + more
-        while not decode and not prefill and not self.running and self.waiting:
-            # Nothing runs and the head lacks room: one holding blocks without running gives back
+        while not decode and not prefill and (self.running or self.waiting):
+            # Nothing runs (the one left running is stuck mid-prefill, or the head lacks room):
+            # one holding blocks without running gives them back
             victim = self._give_back()
             if victim is None:
                 break
