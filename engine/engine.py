@@ -409,7 +409,7 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
         except BaseException:
             # Leave nothing half-done: the step's sequences give their blocks back ("error": the
             # step that reserved their last slots did not run) and recompute.
-            for s in scheduled:
+            for s in scheduled + scheduler.replanned:
                 if s.state is State.RUNNING and s in scheduler.running:
                     scheduler.preempt(s, "error")
             raise

@@ -35,6 +35,8 @@ class Scheduler:
         # admission reserved, the step they run). They hold blocks in the waiting queue.
         self.loading: dict[str, tuple[int, int]] = {}
         self.audit = Audit(engine)  # the plan's estimates against what the calls took
+        self.replanned: list[Sequence] = []  # planned again in reserve (a give-back): a failed
+        # step preempts them too
 
     # -- the queues ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -101,25 +103,33 @@ class Scheduler:
             self.preempt(victim)
             decode, prefill, more = self._plan()
             preempted = preempted + [victim.id] + more
-        while not decode and not prefill and not self.running and self.waiting:
-            # Nothing runs and the head lacks room: sequences that hold blocks without running
-            # (idle, or resumed and waiting) give the newest back (stored out with a host tier)
-            held = [
-                s
-                for s in (*self.waiting, *self.idle)
-                if s.holds and s.tier == "device" and s.id not in self.loading
-            ]
-            if not held:
+        while not decode and not prefill and (self.running or self.waiting):
+            # Nothing runs (the one left running is stuck mid-prefill, or the head lacks room):
+            # one holding blocks without running gives them back
+            victim = self._give_back()
+            if victim is None:
                 break
-            victim = held[-1]
-            self.engine.preempted(victim, "preempt")
-            if victim.tier == "device":
-                victim.num_computed = 0
-            if victim.state is not State.IDLE:
-                victim.state = State.PREEMPTED
             decode, prefill, more = self._plan()
             preempted = preempted + [victim.id] + more
         return decode, prefill, preempted
+
+    def _give_back(self) -> Sequence | None:
+        """Of the sequences that hold blocks without running (idle, or resumed and waiting), the
+        newest gives its blocks back (stored out with a host tier); None: there is none."""
+        held = [
+            s
+            for s in (*self.waiting, *self.idle)
+            if s.holds and s.tier == "device" and s.id not in self.loading
+        ]
+        if not held:
+            return None
+        victim = held[-1]
+        self.engine.preempted(victim, "preempt")
+        if victim.tier == "device":
+            victim.num_computed = 0
+        if victim.state is not State.IDLE:
+            victim.state = State.PREEMPTED
+        return victim
 
     def _estimate(self, s: Sequence, n: int) -> int:
         need = self.engine.estimate(s, n)
@@ -196,6 +206,25 @@ class Scheduler:
     def reserve(self, decode: list, prefill: list, preempted: list[str]):
         """Appends for the step's decode sequences and prefill chunks. Returns what may run:
         (decode, prefill, copy-on-write copies). Sequences preempted here join `preempted`."""
+        self.replanned = []
+        out = self._reserve(decode, prefill, preempted)
+        while not out[0] and not out[1] and not self.running and self.waiting:
+            # Every admission refused with nothing running: the head lacks room as the manager
+            # answered, past its estimate (a revived prefix hit takes free blocks). As when the
+            # estimate says so (schedule), one holding blocks without running gives them back;
+            # else a resumed holder queued behind the head would wait on it for ever.
+            victim = self._give_back()
+            if victim is None:
+                break
+            preempted.append(victim.id)
+            decode, prefill, more = self._plan()
+            preempted += more
+            self.replanned += decode + [s for s, _ in prefill]
+            out = self._reserve(decode, prefill, preempted) if decode or prefill else out
+        self.audit.settle()
+        return out
+
+    def _reserve(self, decode: list, prefill: list, preempted: list[str]):
         engine, audit = self.engine, self.audit
         bm, sync = engine.bm, engine.table.sync
         if decode and "append_decode" in engine.capabilities:
@@ -286,5 +315,4 @@ class Scheduler:
             self.running.remove(s)
             s.state = State.WAITING
             self.waiting.append(s)
-        audit.settle()
         return decode, ran, copies
