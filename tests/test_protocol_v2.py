@@ -140,7 +140,7 @@ def test_to_dict_omits_fields_not_given():
     entry = {"block": 3, "key": "ab01", "parent": None, "tokens": [1, 2, 3, 4]}
     full = Snapshot(8, [], [0] * 8, {}, {}, [-1] * 4, 4, {}, [0], [entry])
     assert full.to_dict()["cache"] == [entry] and full.to_dict()["reserved"] == [0]
-    host = {"host_blocks", "host_free"}  # a host tier's ("offload"), not given here
+    host = {"host_blocks", "host_free", "host_ref_counts"}  # a host tier's, not given here
     assert set(full.to_dict()) == set(Snapshot.__dataclass_fields__) - host
 
 
