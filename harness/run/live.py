@@ -23,6 +23,7 @@ from kvchaos.harness.run.oracle import Oracle
 from kvchaos.harness.run.oracle_feed import OracleFeed
 from kvchaos.harness.run.telemetry import Telemetry
 from kvchaos.harness.run.workload import build_plan
+from kvchaos.harness.run.writes import unslotted_writes
 from kvchaos.harness.scenario.spec import Scenario
 
 
@@ -116,7 +117,8 @@ class LiveRun:
         snap_step, snap = self.last_snap
         snap = snap if snap_step == step else None
         if self.engine.unslotted or snap is not None:
-            self._check_slots(step, snap)
+            for ev in unslotted_writes(self.engine, snap, step):
+                self.h.append(ev)
         if snap is None:
             return
         free, held = set(snap.free), snap.seq_blocks
@@ -152,40 +154,6 @@ class LiveRun:
             if stray:
                 ev = {"step": step, "req": x["req"], "blocks": stray, "owned": sorted(set(owned))}
                 self.h.append({"e": "foreign_write", **ev, "ranks": ranks})
-
-    def _check_slots(self, step: int, snap) -> None:
-        """Positions written with no slot reserved for them: past the blocks the snapshot of this
-        step lists for the sequence ("past_blocks"), or through an unused (-1) entry of a rank's
-        table ("unused_entry"), whose write lands in the pool's last block."""
-        e, bs = self.engine, self.engine.bm.block_size
-        found: dict[str, dict[int, set[int]]] = {}  # req -> position -> ranks
-        last = [e.kv_pools[0].shape[2] - 1] if e.kv_pools else []  # where a -1 entry lands
-        through = {req for req, _, _ in e.unslotted}
-        for req, pos, rank in e.unslotted:
-            found.setdefault(req, {}).setdefault(pos, set()).add(rank)
-        held = {} if snap is None else snap.seq_blocks
-        every = set(range(len(e.ranks.ranks)))  # every rank writes every position it computes
-        for req, (start, end) in e.write_spans.items() if snap is not None else ():
-            for pos in range(max(start, len(held.get(req, ())) * bs), end):
-                found.setdefault(req, {}).setdefault(pos, set()).update(every)
-        for req, by_pos in sorted(found.items()):
-            positions = sorted(by_pos)
-            slots = None if snap is None else len(held.get(req, ())) * bs
-            self.h.append(
-                {
-                    "e": "unslotted_write",
-                    "step": step,
-                    "req": req,
-                    "positions": positions,
-                    "ranks": sorted(set().union(*by_pos.values())),
-                    "via": "past_blocks"
-                    if slots is not None and positions[0] >= slots
-                    else "unused_entry",  # fmt: skip
-                    "slots_held": slots,
-                    "entry": positions[0] // bs,
-                    **({"blocks": last} if req in through else {}),
-                }
-            )
 
     def arm(self) -> None:
         """Attach the faults to the engine's seams (after run_start: the history opens with it).
