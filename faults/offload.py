@@ -106,7 +106,7 @@ class Offload(Fault):
     remediation = "Order every copy after the compute it reads, and the table flip after the copy."
     defaults = {"variant": "store_before_compute"}
     variants = VARIANTS
-    any_manager = False  # the tier needs the reference's "offload" (the plain manager)
+    any_manager = False  # the tier needs a reference's "offload" (either, with host blocks)
 
     @classmethod
     def check_engine(cls, p: dict, cfg) -> None:
@@ -137,7 +137,7 @@ class Offload(Fault):
         elif variant == "stale_host":
             self.dirty: dict[str, set[int]] = {}  # req -> blocks kept valid though written
             engine.seams.stale_host = self._stale
-        else:  # the manager's own seam (the plain reference's)
+        else:  # the manager's own seam (the references')
             engine.bm.host_frees_early = self._frees_early
 
     def _store_early(self, seq, why: str) -> bool:

@@ -4,7 +4,9 @@ plain reference manager (the tier is its capability), sessions that pause long e
 cold, a pool the requests outgrow (preemptions store out), the offload fault's variant, and
 sometimes async_free's abort while a restore is in flight. A share of them (own stream: the
 others stay as they were) also draw one or two of the other failure modes beside the tier's,
-each planted or remediated on its own, fitted as a mix's (soak_fits.py)."""
+each planted or remediated on its own, fitted as a mix's (soak_fits.py); a share of those (own
+stream again) run on the prefix-caching reference, prompts sharing system prompts (a hit may
+find its blocks on the host tier alone), and may add prefix_cache."""
 
 from __future__ import annotations
 
