@@ -31,7 +31,9 @@ def explains(finding: dict, truth: dict) -> str | None:
         # parent is a bad entry (it does not continue that block's wrong KV)
         tainted = {x["block"] for x in truth.get("tainted_blocks", ()) if x["step"] <= s}
         wrong_parent = ev.get("parent_block") in bad | tainted
-        return "consequence" if ev.get("block") in tainted or wrong_parent else None
+        if ev.get("block") in tainted or wrong_parent or _restored_taker_kv(truth, ev, s):
+            return "consequence"
+        return None
     if checker == "prefix_cache" and kind == "hit_blocks":
         return "cause" if ev.get("req") in read else None
     if checker == "block_accounting":
@@ -54,6 +56,22 @@ def _taker_read(truth: dict, ev: dict, step: int) -> bool:
         return False
     return any(
         x["step"] <= min(at, step) and x.get("taker") == w and req in x["holders"]
+        for x in truth.get("evicted_held", [])
+    )
+
+
+def _restored_taker_kv(truth: dict, ev: dict, step: int) -> bool:
+    """ev's block is one a victim's restore copied in from its host copy of a block allocate
+    handed on while it held it (a wrong hit "restored"), and the restore's keying named it by
+    the victim's tokens: it holds the KV that block's taker wrote over it."""
+    b, writers = ev.get("block"), set(ev.get("writers") or ())
+    victims = {
+        x["req"]
+        for x in truth.get("wrong_hits", [])
+        if x.get("why") == "restored" and x["step"] <= step and b in x["blocks"]
+    }
+    return bool(victims) and any(
+        x["step"] <= step and x.get("taker") in writers and victims & set(x["holders"])
         for x in truth.get("evicted_held", [])
     )
 

@@ -46,6 +46,27 @@ def test_the_taker_s_kv_restored_into_the_victim_s_blocks_is_the_prefix_cache_s(
     assert PrefixCache.explains(_read("r8", 31, "r7", 19, step=58), truth) is None  # no taker
 
 
+def test_the_taker_s_kv_restored_and_keyed_is_a_prefix_cache_consequence():
+    """2405: allocate handed blocks 21, 20 of r8 (paused on a hit) to r9 at step 28, r9 wrote
+    them; r8 was stored from them and restored into 22, 23 (step 35), which the restore keyed
+    under r8's tokens: those cache entries hold r9's KV (and r2's, block 21's before)."""
+    held = [{"step": 28, "block": b, "holders": ["r8", "r9"], "taker": "r9"} for b in (20, 21)]
+    hits = [{"step": 35, "req": "r8", "blocks": [22, 23], "why": "restored"}]
+    truth = {"variant": "evict_referenced", "evicted_held": held, "wrong_hits": hits}
+
+    def content(block: int, writers: list[str], step: int = 36) -> dict:
+        ev = {"block": block, "problem": "tokens", "writers": writers, "written": 8}
+        return {"checker": "prefix_cache", "kind": "cache_content", "step": step, "evidence": ev}
+
+    assert PrefixCache.explains(content(22, ["r2", "r9"]), truth) == "consequence"
+    assert PrefixCache.explains(content(23, ["r9"]), truth) == "consequence"
+    assert PrefixCache.explains(content(24, ["r9"]), truth) is None  # not restored wrong
+    assert PrefixCache.explains(content(22, ["r2"]), truth) is None  # not the taker's KV
+    assert PrefixCache.explains(content(22, ["r9"], step=34), truth) is None  # before landing
+    hits[0]["why"] = "forked"  # a wrong hit not carried by a restore
+    assert PrefixCache.explains(content(22, ["r9"]), truth) is None
+
+
 def test_a_write_through_an_unused_entry_into_a_block_in_store_explains_its_host_copy():
     """1370: r12 (its table mixed by async_free staging) wrote through an unused entry, landing in
     the pool's last block (20), which r9 (holding it as a prefix hit) was storing from step 139."""
@@ -77,6 +98,7 @@ def test_a_write_through_an_unused_entry_into_a_block_in_store_explains_its_host
         (528, "kv_reads", 26, {"async_free"}),  # r1's late write, stored and restored by r6
         (367, "kv_reads", 58, {"prefix_cache"}),  # r10's KV in r8's handed blocks, restored
         (1370, "offload", 140, {"table_overflow", "async_free"}),  # r12 wrote r9's block 20
+        (2405, "prefix_cache", 36, {"prefix_cache"}),  # r9's KV restored into r8's, keyed
     ],
 )
 def test_the_prefix_tier_mixes_seeds_pass(seed, checker, step, faults):
