@@ -248,7 +248,10 @@ class Offload(Fault):
         over = ev.get("block") in raced
         if finding.get("checker") == "kv_reads":  # the writer record (a prefix cache's runs)
             if kind in ("wrong_read", "unwritten_read") and ev.get("req") in reqs:
-                return "cause"  # the request that computed on what the copy had not brought
+                # the request that computed on what the copy had not brought; slots given back
+                # early may not have been written over (the offload checker's restore_content
+                # says when they were): no catch of its own
+                return "consequence" if variant == "host_slot_freed" else "cause"
             return "consequence" if ev.get("origin") in reqs or over else None
         if finding.get("checker") == "prefix_cache" and kind == "cache_content":
             after = ev.get("parent_block") in raced  # keyed after such a block
