@@ -37,7 +37,7 @@ plain name and its params as before it had variants (histories recorded then com
 
 from __future__ import annotations
 
-from typing_extensions import NotRequired
+from typing_extensions import NotRequired, TypedDict
 
 from kvchaos.engine.block_table import kernel_view
 from kvchaos.faults import base
@@ -118,9 +118,16 @@ VARIANTS = {  # as an incident quotes them (unchecked, the default: the class's 
 }
 
 
+class Stray(TypedDict):
+    step: int
+    blocks: list[int]  # written where the manager mapped other blocks for those positions
+
+
 class Truth(base.Truth):
     overlong: NotRequired[list[str]]  # the requests only the missing bound check let in
     variant: NotRequired[str]  # absent: the default
+    # kernel_block_size with a host tier: per step, the blocks the misread rows' writes landed in
+    strays: NotRequired[list[Stray]]
 
 
 class TableOverflow(Fault):
@@ -267,6 +274,11 @@ class TableOverflow(Fault):
         self.reached: set[str] = set()  # geometry: requests the asked geometry would misread
         self._arrived = False  # floor_width: its request reached admission
         self._seen = self._looked = engine.table.table.overflow_writes
+        # only a host tier's copies are judged by where the writes landed (store_content): without
+        # one the truth stays as recorded before
+        self._tiered = self.defect and v == "kernel_block_size" and engine.tier is not None
+        self.strays: list[Stray] = []
+        self._views: tuple[int, int, dict] = (-1, 0, {})  # step, pool, req -> (mapped, kernel's)
         self.overflowing: dict[str, int] = {}  # request -> its row, for requests that overflowed
         self._counts = {k: engine.counters[k] for k in ("overlong_requests", *REMEDIES)}
         upload = engine.seams.on_upload
@@ -323,6 +335,8 @@ class TableOverflow(Fault):
         elif not self.defect:  # the kernels follow the resize
             self.remediated += c["table_resizes"] - self._counts["table_resizes"]
         self._counts = {k: c[k] for k in self._counts}
+        if self._tiered:
+            self._stray_writes(engine)
         table = engine.table.table
         n = table.overflow_writes
         if n > self._seen:
@@ -332,6 +346,24 @@ class TableOverflow(Fault):
                 detail.update(self._spill_detail(engine, table.overflow_log[self._seen : n]))
             self.fired(step, detail)
             self._seen = n
+
+    def _stray_writes(self, engine) -> None:
+        """The step's writes through a misread row: the blocks the engine's record of writes
+        (engine.written, at the positions each sequence wrote) has them land in where the kernels'
+        view of the row names another block than the manager's for those positions."""
+        at, nb, views = self._views
+        if at != engine.step_count:  # the step wrote nothing (its table was not uploaded)
+            return
+        bs, out = engine.bm.block_size, set()
+        for req, (a, b) in engine.write_spans.items():
+            if req not in views:
+                continue
+            mapped, got = views[req]
+            idx = range(a // bs, min(-(-b // bs), len(got), len(mapped)))
+            wrong = {got[i] % nb for i in idx if got[i] != mapped[i]}
+            out |= wrong & set(engine.written.get(req, ()))
+        if out:
+            self.strays.append(Stray(step=at, blocks=sorted(out)))
 
     def _spill_detail(self, engine, new: list) -> dict:
         """What the writes did, by variant: past the buffer's end (last_row), the chunk that
@@ -365,11 +397,14 @@ class TableOverflow(Fault):
         w = snap.table_width
         stride, ratio, pool = shapes.kernel_reading(snap, stride or w, geometry)
         wrong: dict[str, int] = {}
+        views: dict = {}
+        self._views = (engine.step_count, snap.num_blocks, views)
         for req, row in snap.seq_rows.items():
             blocks = snap.seq_blocks.get(req, [])
             got = kernel_view(snap.table, row, stride, len(blocks), ratio, pool)
             if got != blocks:
                 wrong[req] = row
+                views[req] = (blocks, got)
                 # the blocks named instead, and its own blocks the kernels miss (unwritten)
                 self.touch(blocks={b % snap.num_blocks for b in got if b not in blocks})
                 self.touch(blocks=set(blocks) - set(got))
@@ -401,6 +436,8 @@ class TableOverflow(Fault):
         }
         if self.variant != DEFAULT:  # (the default's record as before there were variants)
             out["variant"] = self.variant
+        if getattr(self, "strays", None):
+            out["strays"] = self.strays
         return out
 
     @classmethod
@@ -433,6 +470,10 @@ class TableOverflow(Fault):
             truth.get("overlong", [])
         ):
             return "consequence"  # the queue waits on a request only the defect let in
+        if finding["checker"] == "offload" and truth.get("strays"):
+            # the misread rows' writes changed every differing block while its copy was current
+            stored = finding.get("kind") == "store_content"
+            return "consequence" if stored and _strayed_into(finding, truth["strays"]) else None
         if finding["checker"] == "offload" and truth.get("variant") == "slot_past_pool":
             # a block past a pool sized short is the one it wraps to: that one's holder writing
             # it changes a host copy of it in flight (or a restore's into it)
@@ -440,3 +481,16 @@ class TableOverflow(Fault):
             copies = finding.get("kind") in ("store_content", "restore_content")
             return "consequence" if copies and named and named <= touched else None
         return None
+
+
+def _strayed_into(finding: dict, strays: list) -> bool:
+    """Each block a store's host copy differs in was written by a misread row from the step its
+    copy was taken as current (evidence "since": the store's issue, or a restore it kept) to the
+    step the copy completed, not its writes (a step's landings come before its batch)."""
+    ev, step = finding.get("evidence") or {}, finding["step"]
+    blocks = ev.get("blocks") or []
+    since = ev.get("since") or [ev.get("issued", step)] * len(blocks)
+    return bool(blocks) and all(
+        any(lo <= x["step"] < step and b in x["blocks"] for x in strays)
+        for b, lo in zip(blocks, since)
+    )

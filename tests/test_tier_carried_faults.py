@@ -12,6 +12,7 @@ import pytest
 
 from kvchaos.faults.async_free import AsyncFree
 from kvchaos.faults.prefix_cache import PrefixCache
+from kvchaos.faults.table_overflow import TableOverflow
 from kvchaos.harness.check.verdict import attribute
 from kvchaos.harness.run.runner import run_scenario
 from kvchaos.harness.scenario.spec import parse_scenario
@@ -92,6 +93,32 @@ def test_a_write_through_an_unused_entry_into_a_block_in_store_explains_its_host
     assert credited(138, [20])[1] == []  # before the store's issue
 
 
+def test_misread_rows_writing_blocks_in_store_explain_their_host_copy():
+    """3803: the kernels run with twice the manager's block size; r0's store (blocks 0-8, issued
+    at step 2, completed at 4): r2 (step 2) wrote through its misread row into blocks 3-5, r5
+    (step 3) into 3-5 and, its entries past the kernels' pool wrapping, into 0-2."""
+    strays = [{"step": 2, "blocks": [3, 4, 5]}, {"step": 3, "blocks": [0, 1, 2, 3, 4, 5]}]
+    truth = {
+        "fired": True,
+        "first_step": 1,
+        "variant": "kernel_block_size",
+        "touched": {"requests": [], "rows": [], "blocks": list(range(66))},
+        "strays": strays,
+    }
+
+    def store(blocks: list[int], since: int = 2, step: int = 4, kind="store_content") -> dict:
+        ev = {"req": "r0", "blocks": blocks, "issued": since, "since": [since] * len(blocks)}
+        return {"checker": "offload", "kind": kind, "step": step, "evidence": ev}
+
+    assert TableOverflow.explains(store([0, 1, 2, 3, 4, 5]), truth) == "consequence"
+    assert TableOverflow.explains(store([0, 1, 2, 6]), truth) is None  # 6: no misread write
+    assert TableOverflow.explains(store([0], since=4, step=6), truth) is None  # before its issue
+    assert TableOverflow.explains(store([0], step=3), truth) is None  # r5's write: after it landed
+    assert TableOverflow.explains(store([0], kind="restore_content"), truth) is None
+    # touched names every block: without where the writes landed, no credit
+    assert TableOverflow.explains(store([0, 1]), {**truth, "strays": []}) is None
+
+
 @pytest.mark.parametrize(
     "seed, checker, step, faults",
     [
@@ -99,6 +126,8 @@ def test_a_write_through_an_unused_entry_into_a_block_in_store_explains_its_host
         (367, "kv_reads", 58, {"prefix_cache"}),  # r10's KV in r8's handed blocks, restored
         (1370, "offload", 140, {"table_overflow", "async_free"}),  # r12 wrote r9's block 20
         (2405, "prefix_cache", 36, {"prefix_cache"}),  # r9's KV restored into r8's, keyed
+        # r2, r5 wrote r0's blocks in store through rows the kernels misread (kernel_block_size)
+        (3803, "offload", 4, {"table_overflow", "offload"}),
     ],
 )
 def test_the_prefix_tier_mixes_seeds_pass(seed, checker, step, faults):
