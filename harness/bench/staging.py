@@ -39,8 +39,9 @@ NOT_APPLICABLE = (
 )
 # "default": the scenarios' table size; "large": serving size (256 sequences x 2048 blocks, 2 MiB)
 TABLES = {"default": (16, 32), "large": (256, 2048)}
-# the page-fault cost's tables: also the soak's and the small stalls' (100 x 512, 200 KiB)
-FAULT_TABLES = {"default": (16, 32), "staged": (100, 512), "large": (256, 2048)}
+# the page-fault cost's tables: the soak's and the small stalls' (200 x 512, 400 KiB), the ramp's
+# (256 x 4096, 4 MiB)
+FAULT_TABLES = {"default": (16, 32), "staged": (200, 512), "large": (256, 4096)}
 STRATEGIES = {
     "pinned": lambda n: StagingBuffer(n, pinned=True),
     "pageable": lambda n: StagingBuffer(n, pinned=False),

@@ -174,7 +174,7 @@ OWN_STREAM = ("prefix_cache", "async_free")
 # Params added after a failure mode's first draws: each on a stream of its own, drawn after the
 # others (every seed's draws of the rest stay what they were)
 OWN_STREAM_PARAMS = {"table_overflow": ("variant",)}
-STAGED_ENTRIES = 51200  # a real-cost staging stall's table: 200 KiB, 50 pages of 4 KiB
+STAGED_ENTRIES = 102400  # a real-cost staging stall's table: 400 KiB, 100 pages of 4 KiB
 
 
 def _draw(rng: random.Random, spec):
@@ -288,7 +288,7 @@ def generate_scenario(seed: int, fit: Fit | None = None) -> dict:
         # every request must fit a row, or nothing decodes long enough to show a trend
         cache["max_blocks_per_seq"] = max(width, -(-(out + prompt) // cache["block_size"]))
         cache["num_blocks"] = max(cache["num_blocks"], 2 * cache["max_blocks_per_seq"])
-        if run:  # a real page-fault cost needs a serving-size table: rows enough for 50 pages
+        if run:  # a real page-fault cost needs a serving-size table: rows enough for 100 pages
             rows = -(-STAGED_ENTRIES // cache["max_blocks_per_seq"])
             cache["max_num_seqs"] = max(cache["max_num_seqs"], rows)
         workload = {
