@@ -363,8 +363,10 @@ def test_sizes_are_judged_against_the_memory_really_available(monkeypatch):
     ram = footprint.host_limits()[0]  # (free memory moves between two looks: within a GiB)
     assert ram[1] == "available host RAM" and least <= ram[0] + footprint.GiB
     assert ram[0] == pytest.approx(psutil.virtual_memory().available, abs=2 * footprint.GiB)
-    for sc in builtin_scenarios():  # the estimate refuses nothing real: each fits in 64 MiB
-        assert sum(p.bytes for p in footprint.estimate(sc)) < 64 * 2**20, sc.name
+    # the estimate refuses nothing real: each fits in 128 MiB (the largest, the staging ramp's
+    # serving-size table of 4 MiB kept in its snapshots, ~82)
+    for sc in builtin_scenarios():
+        assert sum(p.bytes for p in footprint.estimate(sc)) < 128 * 2**20, sc.name
 
 
 def test_on_cuda_the_device_parts_are_judged_by_the_device(monkeypatch):
