@@ -137,13 +137,9 @@ class Engine(BatchBuilder, AsyncSteps, TableUpload, KernelGeometry, TierSteps):
             )
             if "prefix_cache" in self.capabilities:  # a prefix hit on the host tier alone
                 self.counters["offload_hit_loads"] = 0
-            oc = config.offload  # (on CUDA the side stream's counts join the counters)
+            # (on CUDA the side stream's counts join the counters)
             self.tier = HostTier.build(
-                self.kv_pools,
-                self.bm.host_blocks,
-                oc.latency_steps,
-                oc.blocks_per_step,
-                self.counters,
+                self.kv_pools, self.bm.host_blocks, config.offload, self.counters
             )
         if "prefix_cache" in self.capabilities:  # (absent otherwise: histories as they were)
             self.counters.update(

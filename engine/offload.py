@@ -103,10 +103,9 @@ class HostTier:
     landings: list[tuple[int, str, list[int], str]] = field(default_factory=list)
 
     @classmethod
-    def build(
-        cls, device_pools: list, host_blocks: int, latency: int, bandwidth: int, counters: dict
-    ) -> HostTier:
-        """The host pools; on CUDA the side stream too (its counts go in `counters`)."""
+    def build(cls, device_pools: list, host_blocks: int, oc, counters: dict) -> HostTier:
+        """The host pools (host_blocks, the manager's); on CUDA the side stream too (its counts
+        go in `counters`). oc: the [engine.offload] config (its latency and bandwidth)."""
         import torch
 
         pools = []
@@ -119,7 +118,7 @@ class HostTier:
             from kvchaos.engine.tier_stream import SideStream
 
             side = SideStream(device_pools[0].device, counters)
-        return cls(pools=pools, latency=latency, bandwidth=bandwidth, side=side)
+        return cls(pools=pools, latency=oc.latency_steps, bandwidth=oc.blocks_per_step, side=side)
 
     def book(self, n: int, start: int, now: int, skip: set | None = None) -> list[int]:
         """n blocks' due steps from `start`: unlimited, all at start; else each the earliest
@@ -300,10 +299,11 @@ class TierSteps:
                         dev[:, :, at(dev, b)] = host[:, :, s]
             how = "hit" if c.hit else "restore"
             tier.landings.append((step, c.req, [b for _, b in part], how))
-            for i in range(first, k):  # (a hit's slots are the cache's: none kept)
-                c.read[i] = [h[:, :, c.pairs[i][0]].clone() for h in tier.pools]
-            if done and not c.hit:  # its own host copy, kept valid
-                tier.kept[c.req] = c.read
+            if not c.hit:  # its own host copy, kept valid once done (a hit's: the cache's)
+                for i in range(first, k):
+                    c.read[i] = [h[:, :, c.pairs[i][0]].clone() for h in tier.pools]
+                if done:
+                    tier.kept[c.req] = c.read
         written = [b for b, _ in part] if c.kind == "store" else [b for _, b in part]
         ev = OffloadLanded(
             req=c.req,

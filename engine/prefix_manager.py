@@ -90,7 +90,7 @@ class PrefixCachingManager(PrefixHostTier):
             raise ValueError(f"admit of sequence {seq_id}, which holds blocks")
         pool, bs = self.pool, self.block_size
         hit = pool.match_prefix(token_ids[: max(0, max_computed)])
-        far = self._host_hit(token_ids, hit, max(0, max_computed)) if self.host else []
+        far = self._host_hit(token_ids, hit, max(0, max_computed)) if self.host is not None else []
         h = (len(hit) + len(far)) * bs
         total = h + min(num_new_tokens, len(token_ids) - h)
         revived = [b for b in hit if pool.ref[b] == 0]  # a revive takes a queued block
